@@ -1,0 +1,281 @@
+"""The one place that talks to NATS: connect, apply topology, publish, dead-letter, consume."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import APIError, NotFoundError
+from prometheus_client import CollectorRegistry, Counter
+
+from schemas import DeadLetter
+from schemas import subjects as S
+from schemas.config import NatsConfig
+from streams.topology import StreamSpec
+
+log = logging.getLogger(__name__)
+
+NANOS = 1_000_000_000
+
+
+async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
+    """Connect with the configured auth; raise a clear error if no server answers."""
+    opts: dict = {
+        "servers": cfg.servers,
+        "name": name or cfg.name,
+        "connect_timeout": cfg.connect_timeout_s,
+        "max_reconnect_attempts": cfg.max_reconnect_attempts,
+        "reconnect_time_wait": 0.5,
+        "allow_reconnect": True,
+    }
+    if cfg.token is not None:
+        opts["token"] = cfg.token.get_secret_value()
+    if cfg.user is not None:
+        opts["user"] = cfg.user
+        opts["password"] = cfg.password.get_secret_value() if cfg.password else ""
+    if cfg.credentials_file is not None:
+        opts["user_credentials"] = str(cfg.credentials_file)
+    if cfg.tls is not None:
+        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None)
+        if cfg.tls.cert_file:
+            ctx.load_cert_chain(str(cfg.tls.cert_file), str(cfg.tls.key_file) if cfg.tls.key_file else None)
+        if not cfg.tls.verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        opts["tls"] = ctx
+
+    async def _err(e: Exception) -> None:
+        log.warning("nats: %s", e)
+
+    opts["error_cb"] = _err
+    try:
+        # nats-py keeps retrying the first connect when reconnects are allowed; bound it.
+        return await asyncio.wait_for(nats.connect(**opts), timeout=cfg.connect_timeout_s * 2)
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise ConnectionError(f"cannot connect to NATS at {', '.join(cfg.servers)}: {exc}") from exc
+
+
+def to_stream_config(spec: StreamSpec) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        description=spec.description,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE if spec.storage == "file" else StorageType.MEMORY,
+        max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
+        max_msgs=spec.max_msgs,
+        num_replicas=spec.replicas,
+        duplicate_window=spec.duplicate_window_s,
+        discard=DiscardPolicy.OLD if spec.discard == "old" else DiscardPolicy.NEW,
+    )
+
+
+@dataclass
+class ApplyResult:
+    stream: str
+    action: str  # created | updated | unchanged
+
+
+def _differs(have: StreamConfig, want: StreamConfig) -> bool:
+    fields = ("subjects", "max_age", "max_bytes", "max_msgs", "num_replicas", "duplicate_window", "description")
+    for f in fields:
+        a, b = getattr(have, f), getattr(want, f)
+        if f == "subjects":
+            a, b = sorted(a or []), sorted(b or [])
+        if isinstance(a, float) or isinstance(b, float):
+            if abs(float(a or 0) - float(b or 0)) > 1e-6:
+                return True
+        elif a != b:
+            return True
+    return False
+
+
+async def apply_topology(js: JetStreamContext, specs: tuple[StreamSpec, ...]) -> list[ApplyResult]:
+    """Create missing streams and update changed ones; running it twice changes nothing."""
+    results = []
+    for spec in specs:
+        want = to_stream_config(spec)
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            await js.add_stream(want)
+            results.append(ApplyResult(spec.name, "created"))
+            continue
+        if info.config.storage != want.storage:
+            raise RuntimeError(
+                f"stream {spec.name} exists with storage {info.config.storage}; JetStream cannot change "
+                f"storage in place (wanted {want.storage}); migrate it by hand"
+            )
+        if _differs(info.config, want):
+            await js.update_stream(want)
+            results.append(ApplyResult(spec.name, "updated"))
+        else:
+            results.append(ApplyResult(spec.name, "unchanged"))
+    return results
+
+
+async def topology_info(js: JetStreamContext, specs: tuple[StreamSpec, ...]) -> list[dict]:
+    rows = []
+    for spec in specs:
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            rows.append({"stream": spec.name, "exists": False, "subjects": list(spec.subjects)})
+            continue
+        st = info.state
+        rows.append(
+            {
+                "stream": spec.name,
+                "exists": True,
+                "subjects": list(info.config.subjects or []),
+                "messages": st.messages,
+                "bytes": st.bytes,
+                "first_seq": st.first_seq,
+                "last_seq": st.last_seq,
+                "consumers": st.consumer_count,
+                "max_age_s": info.config.max_age,
+                "replicas": info.config.num_replicas,
+                "duplicate_window_s": info.config.duplicate_window,
+            }
+        )
+    return rows
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    *,
+    msg_id: str | None = None,
+    headers: dict[str, str] | None = None,
+    retries: int = 5,
+    timeout: float = 5.0,
+):
+    """Publish to JetStream and wait for the ack; retry with the same ``Nats-Msg-Id``.
+
+    Because the id is reused on retry, a retry after a lost ack never stores the
+    event twice (within the stream's duplicate window).
+    """
+    hdrs = dict(headers or {})
+    if msg_id is not None:
+        hdrs["Nats-Msg-Id"] = msg_id
+    delay = 0.1
+    for attempt in range(retries + 1):
+        try:
+            return await js.publish(subject, data, timeout=timeout, headers=hdrs or None)
+        except (NatsTimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as exc:
+            if attempt == retries:
+                raise
+            log.warning("publish to %s failed (%s); retry %d", subject, type(exc).__name__, attempt + 1)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+class DeadLetters:
+    """Sends rejected input to ``dlq.<stream>`` with the reason, and counts it."""
+
+    def __init__(self, js: JetStreamContext, *, consumer: str, registry: CollectorRegistry | None = None,
+                 prefix: str | None = None):
+        self._js = js
+        self._consumer = consumer
+        self._prefix = prefix
+        self.counter = Counter(
+            "infernex_dead_letters_total",
+            "Messages sent to a dead-letter subject, by stream and reason class",
+            ["stream", "consumer", "reason"],
+            registry=registry,
+        )
+        self.count = 0
+
+    async def send(self, stream: str, subject: str, data: bytes, reason: str,
+                   headers: dict[str, str] | None = None, reason_class: str = "invalid") -> None:
+        self.count += 1
+        self.counter.labels(stream, self._consumer, reason_class).inc()
+        letter = DeadLetter(
+            stream=stream,
+            subject=subject,
+            reason=reason[:2000],
+            ts=time.time(),
+            consumer=self._consumer,
+            payload=base64.b64encode(data).decode(),
+            headers={k: v for k, v in (headers or {}).items() if isinstance(v, str)},
+        )
+        await publish(self._js, S.with_prefix(self._prefix, S.dead_letter(stream)), letter.to_json())
+
+
+Handler = Callable[[list[Msg]], Awaitable[None]]
+
+
+async def ensure_durable(js: JetStreamContext, stream: str, durable: str, filter_subject: str | None,
+                         *, ack_wait_s: float = 30.0, max_ack_pending: int = 20000,
+                         deliver_policy: DeliverPolicy = DeliverPolicy.ALL) -> None:
+    cfg = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=deliver_policy,
+        filter_subject=filter_subject,
+        ack_wait=ack_wait_s,
+        max_ack_pending=max_ack_pending,
+        max_deliver=-1,
+    )
+    try:
+        await js.add_consumer(stream, cfg)
+    except APIError as exc:
+        if "already in use" not in str(exc) and getattr(exc, "err_code", None) != 10148:
+            raise
+
+
+async def run_durable(
+    js: JetStreamContext,
+    *,
+    stream: str,
+    durable: str,
+    filter_subject: str | None,
+    handle: Handler,
+    stop: asyncio.Event,
+    batch: int = 256,
+    fetch_timeout: float = 0.5,
+    ack_wait_s: float = 30.0,
+) -> None:
+    """Pull batches from a durable consumer until ``stop`` is set.
+
+    ``handle`` receives the batch and is responsible for acking (after applying), so a
+    crash before the ack means redelivery, never loss.
+    """
+    await ensure_durable(js, stream, durable, filter_subject, ack_wait_s=ack_wait_s)
+    sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch, timeout=fetch_timeout)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                break
+            if msgs:
+                await handle(msgs)
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001 - best effort on shutdown
+            pass

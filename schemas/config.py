@@ -1,0 +1,72 @@
+"""Configuration models handed to services. Pure data; the entry point builds them.
+
+The root settings object (environment, YAML file) lives in :mod:`infernex.settings`
+and is composed of these sections.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NatsTls(_Section):
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    verify: bool = True
+
+
+class NatsConfig(_Section):
+    """How to reach NATS. Secrets are ``SecretStr`` and never print."""
+
+    servers: list[str] = Field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    token: SecretStr | None = None
+    user: str | None = None
+    password: SecretStr | None = None
+    credentials_file: Path | None = None
+    tls: NatsTls | None = None
+    name: str = "infernex"
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    max_reconnect_attempts: int = -1
+    subject_prefix: str | None = Field(default=None, description="root under which all subjects live")
+
+    @field_validator("servers", mode="before")
+    @classmethod
+    def _split(cls, v):  # noqa: ANN001
+        if isinstance(v, str):
+            v = [s.strip() for s in v.split(",") if s.strip()]
+        if not v:
+            raise ValueError("at least one NATS server URL is required")
+        return v
+
+
+class StreamLimits(_Section):
+    max_age_s: float = Field(gt=0)
+    max_bytes: int = Field(default=-1)
+    max_msgs: int = Field(default=-1)
+
+
+class TopologyConfig(_Section):
+    """Per-deployment knobs of the JetStream topology (see :mod:`streams.topology`)."""
+
+    replicas: int = Field(default=1, ge=1, le=5)
+    duplicate_window_s: float = Field(default=120.0, gt=0)
+    storage: str = Field(default="file", pattern="^(file|memory)$")
+    limits: dict[str, StreamLimits] = Field(
+        default_factory=dict, description="stream name -> limits overriding the defaults"
+    )
+
+
+class EmbeddedNatsConfig(_Section):
+    """The nats-server that ``infernex up`` / ``demo`` start themselves."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+    store_dir: Path = Path(".infernex/nats")
+    binary: Path | None = None

@@ -1,0 +1,148 @@
+"""Normalized KV-cache events: one message per vLLM ``KVEventBatch``.
+
+vLLM publishes ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``; the bridge
+adds ``PodReset`` (engine restarted, its sequence went back to 0) and discovery adds
+``PodGone`` (pod deleted). Block hashes are the engine's, reduced to unsigned 64 bits
+(vLLM sends the low 64 bits of its sha256 digests, or the digest bytes in newer
+versions); token ids are exactly what the engine sent, so consumers can compute
+their own hash-independent keys.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.base import Event
+
+U64 = (1 << 64) - 1
+Medium = Literal["GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"]
+
+
+def normalize_block_hash(value: int | bytes | str) -> int:
+    """Reduce an engine block hash to an unsigned 64-bit int.
+
+    ints (signed or unsigned) are masked; bytes take their low 8 bytes big-endian,
+    as vLLM does when it converts a digest for external consumers; a hex string is
+    read as bytes.
+    """
+    if isinstance(value, bool):
+        raise ValueError("block hash must be an int or bytes, not bool")
+    if isinstance(value, int):
+        if value < -(1 << 63) or value > U64:
+            raise ValueError(f"block hash {value} does not fit in 64 bits")
+        return value & U64
+    if isinstance(value, str):
+        try:
+            value = bytes.fromhex(value)
+        except ValueError:
+            raise ValueError("block hash string must be hex") from None
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise ValueError("block hash bytes are empty")
+        return int.from_bytes(bytes(value[-8:]), "big")
+    raise ValueError(f"block hash of type {type(value).__name__} is not supported")
+
+
+class _KvBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BlockStored(_KvBase):
+    type: Literal["stored"] = "stored"
+    block_hashes: list[int] = Field(min_length=1)
+    parent_block_hash: int | None = None
+    token_ids: list[int]
+    block_size: int = Field(gt=0)
+    lora_id: int | None = None
+    lora_name: str | None = None
+    medium: Medium | None = None
+
+    @field_validator("block_hashes", mode="before")
+    @classmethod
+    def _hashes(cls, v):  # noqa: ANN001
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("block_hashes must be a list")
+        return [normalize_block_hash(h) for h in v]
+
+    @field_validator("parent_block_hash", mode="before")
+    @classmethod
+    def _parent(cls, v):  # noqa: ANN001
+        return None if v is None else normalize_block_hash(v)
+
+    @field_validator("token_ids")
+    @classmethod
+    def _tokens(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> "BlockStored":
+        need = len(self.block_hashes) * self.block_size
+        if len(self.token_ids) != need:
+            raise ValueError(
+                f"token_ids has {len(self.token_ids)} tokens but {len(self.block_hashes)} blocks "
+                f"of block_size {self.block_size} need {need}"
+            )
+        return self
+
+
+class BlockRemoved(_KvBase):
+    type: Literal["removed"] = "removed"
+    block_hashes: list[int] = Field(min_length=1)
+    medium: Medium | None = None
+
+    @field_validator("block_hashes", mode="before")
+    @classmethod
+    def _hashes(cls, v):  # noqa: ANN001
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("block_hashes must be a list")
+        return [normalize_block_hash(h) for h in v]
+
+
+class AllBlocksCleared(_KvBase):
+    type: Literal["cleared"] = "cleared"
+    medium: Medium | None = None
+
+
+class PodReset(_KvBase):
+    """The engine restarted (sequence back to 0): forget everything it held."""
+
+    type: Literal["reset"] = "reset"
+    reason: str = "engine restart"
+
+
+class PodGone(_KvBase):
+    """The pod left the cluster: drop it from the index entirely."""
+
+    type: Literal["gone"] = "gone"
+    reason: str = "pod deleted"
+
+
+KvEvent = Annotated[
+    Union[BlockStored, BlockRemoved, AllBlocksCleared, PodReset, PodGone],
+    Field(discriminator="type"),
+]
+
+
+class KvEventBatch(Event):
+    """One vLLM scheduler step's events for one pod (one NATS message).
+
+    ``epoch`` counts engine incarnations as seen by the bridge (it increments when the
+    engine's sequence restarts at 0); ``(pod, epoch, seq)`` is unique and is the
+    ``Nats-Msg-Id``.
+    """
+
+    pod: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    dp_rank: int = Field(default=0, ge=0)
+    epoch: int = Field(default=0, ge=0)
+    seq: int = Field(ge=0)
+    ts: float = Field(ge=0, description="engine timestamp, seconds since the epoch")
+    events: list[KvEvent]
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.pod}:{self.epoch}:{self.seq}"

@@ -1,0 +1,60 @@
+"""What the router publishes: a routing decision and a record per request."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.base import Event
+
+RequestRole = Literal["aggregated", "pd"]
+RequestStatus = Literal["ok", "error", "cancelled", "rejected", "timeout"]
+
+
+class CandidateScore(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pod: str
+    scores: dict[str, float] = Field(default_factory=dict, description="scorer name -> score in [0,1]")
+    total: float = 0.0
+    filtered_by: str | None = Field(default=None, description="the filter that removed it, if any")
+    overlap_blocks: int = 0
+
+
+class RoutingDecision(Event):
+    request_id: str = Field(min_length=1)
+    ts: float = Field(ge=0)
+    pool: str = Field(min_length=1)
+    model: str
+    profile: str
+    stage: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    picked: str | None
+    reason: str = ""
+    candidates: list[CandidateScore] = Field(default_factory=list)
+
+
+class RequestRecord(Event):
+    request_id: str = Field(min_length=1)
+    ts: float = Field(ge=0, description="arrival time at the router, seconds since the epoch")
+    pool: str = Field(min_length=1)
+    role: RequestRole = "aggregated"
+    model: str
+    profile: str = ""
+    pods: list[str] = Field(default_factory=list, description="chosen pods, prefill first for PD")
+    prefill_pod: str | None = None
+    decode_pod: str | None = None
+    prompt_tokens: int = Field(default=0, ge=0)
+    output_tokens: int = Field(default=0, ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+    ttft_s: float | None = Field(default=None, ge=0)
+    itl_s: float | None = Field(default=None, ge=0, description="mean inter-token latency")
+    e2e_s: float | None = Field(default=None, ge=0)
+    status: RequestStatus = "ok"
+    http_status: int = 200
+    error: str | None = None
+    best_overlap_blocks: int = Field(default=0, ge=0)
+    chosen_overlap_blocks: int = Field(default=0, ge=0)
+    retries: int = Field(default=0, ge=0)
+    migrations: int = Field(default=0, ge=0)
+    stream: bool = False

@@ -1,0 +1,142 @@
+"""The JetStream topology as data: which streams exist, what they hold, how long.
+
+Pure: :mod:`consumers.bus` turns these specs into nats-py ``StreamConfig`` and applies
+them. Streams are bounded by age by default; byte limits are set per deployment
+(``topology.limits``), because JetStream reserves them against the server's storage. Defaults follow how the data is used: KV events are only needed until the
+indexer has snapshotted (hours), telemetry for incident replay (a day or more),
+diagnoses, records and hints for SLA history (weeks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from schemas import subjects as S
+from schemas.config import TopologyConfig
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str  # JetStream stream name
+    logical: str  # logical name used for dead letters (schemas.subjects)
+    subjects: tuple[str, ...]
+    description: str
+    max_age_s: float
+    max_bytes: int = -1
+    max_msgs: int = -1
+    storage: str = "file"
+    replicas: int = 1
+    duplicate_window_s: float = 120.0
+    discard: str = "old"
+    extra: dict = field(default_factory=dict)
+
+
+DEFAULT_STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec(
+        name="KV_EVENTS",
+        logical=S.KV_EVENTS,
+        subjects=(S.ALL_KV_EVENTS,),
+        description="vLLM KV-cache events, one message per engine batch",
+        max_age_s=6 * HOUR,
+    ),
+    StreamSpec(
+        name="ENGINE",
+        logical=S.ENGINE,
+        subjects=(S.ALL_ENGINE_METRICS, S.ALL_ENGINE_ANNOUNCE),
+        description="engine metric snapshots and engine announcements",
+        max_age_s=2 * DAY,
+    ),
+    StreamSpec(
+        name="DEVICE_TELEMETRY",
+        logical=S.DEVICE_TELEMETRY,
+        subjects=(S.ALL_DEVICE_TELEMETRY,),
+        description="NPU/GPU telemetry samples",
+        max_age_s=2 * DAY,
+    ),
+    StreamSpec(
+        name="DIAGNOSIS",
+        logical=S.DIAGNOSIS,
+        subjects=(S.ALL_DIAGNOSIS,),
+        description="diagnosis findings and resolutions",
+        max_age_s=30 * DAY,
+    ),
+    StreamSpec(
+        name="ROUTER",
+        logical=S.ROUTER,
+        subjects=(S.ALL_ROUTER_REQUESTS, S.ALL_ROUTER_DECISIONS),
+        description="per-request records and routing decisions",
+        max_age_s=7 * DAY,
+    ),
+    StreamSpec(
+        name="AUTOSCALE",
+        logical=S.AUTOSCALE,
+        subjects=(S.ALL_AUTOSCALE_HINTS,),
+        description="planner scaling hints",
+        max_age_s=30 * DAY,
+    ),
+    StreamSpec(
+        name="DLQ",
+        logical=S.DLQ,
+        subjects=(S.ALL_DLQ,),
+        description="dead letters: input a consumer rejected, with the reason",
+        max_age_s=14 * DAY,
+    ),
+)
+
+
+def build_topology(config: TopologyConfig | None = None, prefix: str | None = None) -> tuple[StreamSpec, ...]:
+    """The streams for a deployment: defaults, then the config's overrides.
+
+    ``prefix`` puts every subject (and stream name) under another root, which is how
+    tests and sandboxed replays get streams of their own on a shared server.
+    """
+    config = config or TopologyConfig()
+    unknown = set(config.limits) - {s.name for s in DEFAULT_STREAMS}
+    if unknown:
+        raise ValueError(f"limits given for unknown streams: {sorted(unknown)}")
+    out = []
+    for spec in DEFAULT_STREAMS:
+        lim = config.limits.get(spec.name)
+        spec = replace(
+            spec,
+            replicas=config.replicas,
+            duplicate_window_s=config.duplicate_window_s,
+            storage=config.storage,
+        )
+        if lim is not None:
+            spec = replace(spec, max_age_s=lim.max_age_s, max_bytes=lim.max_bytes, max_msgs=lim.max_msgs)
+        if spec.duplicate_window_s > spec.max_age_s:
+            raise ValueError(f"{spec.name}: duplicate window longer than max age")
+        if prefix:
+            spec = replace(
+                spec,
+                name=f"{prefix.replace('.', '_').upper()}_{spec.name}",
+                subjects=tuple(S.with_prefix(prefix, s) for s in spec.subjects),
+            )
+        out.append(spec)
+    return tuple(out)
+
+
+def stream_for_subject(topology: tuple[StreamSpec, ...], subject: str) -> StreamSpec | None:
+    """The stream whose subjects cover ``subject`` (NATS wildcard rules)."""
+    for spec in topology:
+        for pattern in spec.subjects:
+            if subject_matches(pattern, subject):
+                return spec
+    return None
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    p = pattern.split(".")
+    s = subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s):
+            return False
+        if tok != "*" and tok != s[i]:
+            return False
+    return len(p) == len(s)
