@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 SCHEMA_VERSION = 1
 
@@ -46,11 +46,12 @@ class Event(BaseModel):
     def from_json(cls: type[T], data: bytes | str) -> T:
         return decode_event(cls, data)
 
-    def model_post_init(self, __context: Any) -> None:  # noqa: D401
-        if self.schema_version > SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {self.schema_version} is newer than this build understands ({SCHEMA_VERSION})"
-            )
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v < 1 or v > SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not understood by this build (1..{SCHEMA_VERSION})")
+        return v
 
 
 def decode_event(model: type[T], data: bytes | str | dict[str, Any]) -> T:
@@ -61,8 +62,6 @@ def decode_event(model: type[T], data: bytes | str | dict[str, Any]) -> T:
         return model.model_validate_json(data)
     except ValidationError as exc:
         raise ValidationFailure(model.__name__, exc.errors(include_url=False)) from None
-    except ValueError as exc:  # schema_version check
-        raise ValidationFailure(model.__name__, [{"loc": ("schema_version",), "msg": str(exc)}]) from None
 
 
 def encode_event(event: Event) -> bytes:

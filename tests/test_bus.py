@@ -1,0 +1,84 @@
+"""Topology and publishing against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.api import DeliverPolicy
+
+from consumers import bus
+from schemas import KvEventBatch, subjects as S
+from schemas.config import StreamLimits, TopologyConfig
+from streams.topology import build_topology
+
+
+async def test_apply_is_idempotent(nc, prefix):
+    js = nc.jetstream()
+    specs = build_topology(prefix=prefix)
+    first = await bus.apply_topology(js, specs)
+    assert {r.action for r in first} == {"created"}
+    second = await bus.apply_topology(js, specs)
+    assert {r.action for r in second} == {"unchanged"}
+    # a changed limit is an update, then unchanged again
+    changed = build_topology(TopologyConfig(limits={"KV_EVENTS": StreamLimits(max_age_s=600)}), prefix=prefix)
+    third = await bus.apply_topology(js, changed)
+    assert [r.action for r in third if r.action != "unchanged"] == ["updated"]
+    info = await js.stream_info(f"{prefix.upper()}_KV_EVENTS")
+    assert info.config.max_age == pytest.approx(600)
+    assert {r.action for r in await bus.apply_topology(js, changed)} == {"unchanged"}
+    rows = await bus.topology_info(js, changed)
+    assert all(r["exists"] and r["messages"] == 0 for r in rows)
+    for spec in specs:
+        await js.delete_stream(spec.name)
+
+
+def test_topology_rejects_unknown_stream_limits():
+    with pytest.raises(ValueError, match="unknown streams"):
+        build_topology(TopologyConfig(limits={"NOPE": StreamLimits(max_age_s=1)}))
+
+
+def test_duplicate_window_cannot_exceed_age():
+    with pytest.raises(ValueError, match="duplicate window"):
+        build_topology(TopologyConfig(duplicate_window_s=1000, limits={"KV_EVENTS": StreamLimits(max_age_s=10)}))
+
+
+async def test_same_msg_id_is_stored_once(nc, prefix, topology):
+    js = nc.jetstream()
+    subject = S.with_prefix(prefix, S.kv_events("m", "pod.1"))
+    batch = KvEventBatch(pod="pod.1", model="m", seq=3, ts=1.0, events=[])
+    a = await bus.publish(js, subject, batch.to_json(), msg_id=batch.msg_id)
+    b = await bus.publish(js, subject, batch.to_json(), msg_id=batch.msg_id)
+    c = await bus.publish(js, subject, batch.to_json(), msg_id="pod.1:0:4")
+    assert not a.duplicate and b.duplicate and not c.duplicate
+    assert a.seq == b.seq and c.seq == a.seq + 1
+    info = await js.stream_info(f"{prefix.upper()}_KV_EVENTS")
+    assert info.state.messages == 2
+
+
+async def test_dead_letters_carry_reason_and_count(nc, prefix, topology):
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    js = nc.jetstream()
+    dl = bus.DeadLetters(js, consumer="test", registry=reg, prefix=prefix)
+    await dl.send("kv-events", "kv.events.m.p", b"\x00garbage", "not JSON")
+    sub = await js.subscribe(S.with_prefix(prefix, "dlq.>"), ordered_consumer=True,
+                             config=__import__("nats").js.api.ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    msg = await sub.next_msg(timeout=5)
+    from schemas import DeadLetter, decode_event
+    import base64
+
+    letter = decode_event(DeadLetter, msg.data)
+    assert letter.reason == "not JSON" and base64.b64decode(letter.payload) == b"\x00garbage"
+    assert reg.get_sample_value("infernex_dead_letters_total",
+                                {"stream": "kv-events", "consumer": "test", "reason": "invalid"}) == 1
+    await sub.unsubscribe()
+
+
+async def test_connect_error_is_clear():
+    from schemas.config import NatsConfig
+    from infernex.embedded_nats import free_port
+
+    with pytest.raises(ConnectionError, match="cannot connect to NATS"):
+        await bus.connect(NatsConfig(servers=[f"nats://127.0.0.1:{free_port()}"], connect_timeout_s=0.5))
