@@ -1,0 +1,145 @@
+"""Mirror chosen JetStream subjects to Kafka topics (at-least-once).
+
+One durable JetStream consumer per stream the subjects fall in; each pulled batch is
+sent to Kafka and flushed, and only then are the NATS messages acked. A crash or restart
+therefore resumes from the durable consumer's position: nothing is skipped, and the
+messages of the batch in flight at the crash may be delivered to Kafka a second time
+(at least once, never at most once). Consumers that need exactly-once dedupe on the
+``nats-msg-id`` / ``nats-stream-seq`` headers.
+
+Record key: the pod (KV events, engine metrics), ``node/device`` (telemetry, diagnoses),
+or the pool (router records, hints). Value: the original bytes (``raw``) or a JSON
+envelope with subject, stream sequence, time and the decoded payload (``envelope``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaProducer
+from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from consumers import bus
+from schemas import subjects as S
+from schemas.config import NatsConfig
+from streams.topology import build_topology, stream_for_subject
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KafkaExportConfig:
+    bootstrap: str
+    subjects: tuple[str, ...]
+    durable: str = "kafka-export"
+    topic_prefix: str = "infernex"
+    value_format: str = "raw"  # raw | envelope
+    batch: int = 500
+    client_id: str = "infernex-export"
+    extra_producer_args: dict = field(default_factory=dict)
+
+
+def topic_for(subject: str, prefix: str) -> str:
+    """``kv.events.m.p`` -> ``infernex.kv.events``: one topic per kind of subject."""
+    kind = S.parse(subject)["kind"]
+    return f"{prefix}.{kind}" if prefix else kind
+
+
+def key_for(subject: str) -> bytes | None:
+    parts = S.parse(subject)
+    if "pod" in parts:
+        return parts["pod"].encode()
+    if "device" in parts:
+        return f"{parts['node']}/{parts['device']}".encode()
+    if "pool" in parts:
+        return parts["pool"].encode()
+    if "stream" in parts:
+        return parts["stream"].encode()
+    return None
+
+
+class KafkaExporter:
+    def __init__(self, cfg: KafkaExportConfig, nats: NatsConfig, *, registry: CollectorRegistry | None = None):
+        if cfg.value_format not in ("raw", "envelope"):
+            raise ValueError("value_format must be raw or envelope")
+        self.cfg = cfg
+        self.nats = nats
+        self.prefix = nats.subject_prefix
+        self.exported = Counter("infernex_kafka_exported_total", "Messages mirrored to Kafka", ["topic"],
+                                registry=registry)
+        self.lag = Gauge("infernex_kafka_export_pending", "Messages pulled but not yet acked", registry=registry)
+        self._stop = asyncio.Event()
+        self.count = 0
+
+    def _strip(self, subject: str) -> str:
+        return subject[len(self.prefix) + 1:] if self.prefix else subject
+
+    def _record(self, msg: Msg) -> tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]:
+        subject = self._strip(msg.subject)
+        meta = msg.metadata
+        headers = [(k, v.encode()) for k, v in (msg.headers or {}).items() if isinstance(v, str)]
+        headers += [("nats-subject", subject.encode()), ("nats-stream", meta.stream.encode()),
+                    ("nats-stream-seq", str(meta.sequence.stream).encode())]
+        if msg.headers and "Nats-Msg-Id" in msg.headers:
+            headers.append(("nats-msg-id", msg.headers["Nats-Msg-Id"].encode()))
+        if self.cfg.value_format == "raw":
+            value = msg.data
+        else:
+            try:
+                payload = json.loads(msg.data)
+            except ValueError:
+                payload = msg.data.decode(errors="replace")
+            value = json.dumps({"subject": subject, "stream_seq": meta.sequence.stream,
+                                "time": meta.timestamp.isoformat() if meta.timestamp else None,
+                                "payload": payload}).encode()
+        return topic_for(subject, self.cfg.topic_prefix), key_for(subject), value, headers
+
+    async def run(self) -> None:
+        topo = build_topology(prefix=self.prefix)
+        groups: dict[str, list[str]] = {}
+        for subj in self.cfg.subjects:
+            full = S.with_prefix(self.prefix, subj)
+            spec = stream_for_subject(topo, full.replace(">", "x").replace("*", "x"))
+            if spec is None:
+                raise ValueError(f"no stream holds {subj!r}")
+            groups.setdefault(spec.name, []).append(full)
+        nc = await bus.connect(self.nats, name="infernex-kafka-export")
+        producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, client_id=self.cfg.client_id,
+                                    acks="all", enable_idempotence=False, linger_ms=5,
+                                    **self.cfg.extra_producer_args)
+        await producer.start()
+        js = nc.jetstream()
+
+        async def handle(msgs: list[Msg]) -> None:
+            self.lag.set(len(msgs))
+            futures = []
+            for m in msgs:
+                topic, key, value, headers = self._record(m)
+                futures.append((topic, await producer.send(topic, value=value, key=key, headers=headers)))
+            for topic, fut in futures:
+                await fut  # raises if Kafka rejected: nothing acked, JetStream redelivers
+                self.exported.labels(topic).inc()
+            for m in msgs:
+                await m.ack()
+            self.count += len(msgs)
+            self.lag.set(0)
+
+        try:
+            tasks = []
+            for stream, subjects in groups.items():
+                for i, subj in enumerate(subjects):
+                    durable = f"{self.cfg.durable}-{stream.lower()}-{i}".replace(".", "_")
+                    tasks.append(asyncio.create_task(bus.run_durable(
+                        js, stream=stream, durable=durable, filter_subject=subj, handle=handle,
+                        stop=self._stop, batch=self.cfg.batch)))
+            await asyncio.gather(*tasks)
+        finally:
+            await producer.stop()
+            await nc.close()
+
+    def stop(self) -> None:
+        self._stop.set()
