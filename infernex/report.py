@@ -1,0 +1,129 @@
+"""Strategy comparison: one table, one plot, one self-contained HTML page.
+
+Used by ``infernex demo`` (HTTP replay) and ``infernex simulate`` (virtual time), so both
+report the same figures the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+from simulator.workloads.metrics import Summary
+
+
+@dataclass
+class StrategyResult:
+    strategy: str
+    summary: Summary
+    overlap_share: float | None = None  # chosen overlap / best available overlap, over requests
+    busy_spread: float | None = None  # max / mean busy time per engine
+    extra: dict = field(default_factory=dict)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+COLUMNS = [
+    ("strategy", lambda r: r.strategy),
+    ("ok/req", lambda r: f"{r.summary.ok}/{r.summary.requests}"),
+    ("TTFT p50 ms", lambda r: _ms(r.summary.ttft_p50_s)),
+    ("TTFT p90 ms", lambda r: _ms(r.summary.ttft_p90_s)),
+    ("TTFT p99 ms", lambda r: _ms(r.summary.ttft_p99_s)),
+    ("ITL p50 ms", lambda r: _ms(r.summary.itl_p50_s)),
+    ("ITL p99 ms", lambda r: _ms(r.summary.itl_p99_s)),
+    ("req/s", lambda r: _f(r.summary.throughput_rps)),
+    ("out tok/s", lambda r: _f(r.summary.output_tokens_per_s, "{:.0f}")),
+    ("hit rate", lambda r: _f(r.summary.hit_rate, "{:.1%}")),
+    ("load spread", lambda r: _f(r.busy_spread if r.busy_spread is not None else r.summary.load_spread)),
+    ("overlap chosen/best", lambda r: _f(r.overlap_share, "{:.1%}")),
+]
+
+
+def rich_table(results: list[StrategyResult], title: str) -> Table:
+    t = Table(title=title)
+    for name, _ in COLUMNS:
+        t.add_column(name, justify="right" if name != "strategy" else "left")
+    for r in results:
+        t.add_row(*[fn(r) for _, fn in COLUMNS])
+    return t
+
+
+def markdown_table(results: list[StrategyResult]) -> str:
+    head = "| " + " | ".join(n for n, _ in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    rows = ["| " + " | ".join(fn(r) for _, fn in COLUMNS) + " |" for r in results]
+    return "\n".join([head, sep, *rows])
+
+
+def plot_png(results: list[StrategyResult], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.strategy for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for q, key in ((50, "ttft_p50_s"), (90, "ttft_p90_s"), (99, "ttft_p99_s")):
+        vals = [(getattr(r.summary, key) or 0) * 1000 for r in results]
+        axes[0].plot(names, vals, marker="o", label=f"p{q}")
+    axes[0].set_title("TTFT (ms)")
+    axes[0].legend()
+    axes[1].bar(names, [(r.summary.hit_rate or 0) * 100 for r in results], color="#4c72b0")
+    axes[1].set_title("prefix cache hit rate (%)")
+    axes[2].bar(names, [r.busy_spread if r.busy_spread is not None else (r.summary.load_spread or 0)
+                        for r in results], color="#dd8452")
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    axes[2].set_title("load spread (max/mean)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, notes: list[str] | None = None) -> dict:
+    """Write ``comparison.png``, ``report.html``, ``report.md`` and ``results.json``; return paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot_png(results, title)
+    (out_dir / "comparison.png").write_bytes(png)
+    md = f"# {title}\n\n" + markdown_table(results) + "\n"
+    if notes:
+        md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (out_dir / "report.md").write_text(md)
+    rows_html = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(fn(r))}</td>" for _, fn in COLUMNS) + "</tr>" for r in results
+    )
+    notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in notes or [])
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}td:first-child{{text-align:left}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<table><tr>{''.join(f'<th>{html.escape(n)}</th>' for n, _ in COLUMNS)}</tr>{rows_html}</table>
+<ul>{notes_html}</ul>
+<img alt="comparison plot" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>
+</body></html>
+"""
+    (out_dir / "report.html").write_text(page)
+    data = [
+        {"strategy": r.strategy, "summary": r.summary.model_dump(), "overlap_share": r.overlap_share,
+         "busy_spread": r.busy_spread, **({"extra": r.extra} if r.extra else {})}
+        for r in results
+    ]
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2))
+    return {k: str(out_dir / v) for k, v in
+            {"png": "comparison.png", "html": "report.html", "md": "report.md", "json": "results.json"}.items()}
