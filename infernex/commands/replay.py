@@ -1,0 +1,194 @@
+"""``infernex replay``: rebuild past state from JetStream, re-decide, report, republish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+console = Console()
+err = Console(stderr=True)
+
+ALL_SUBJECTS = ["kv.events.>", "engine.>", "device.telemetry.>", "diagnosis.>", "router.>", "autoscale.hints.>",
+                "dlq.>"]
+
+replay_app = typer.Typer(help="Replay JetStream history: state at an instant, re-decide, incident report, republish.",
+                         no_args_is_help=True)
+
+
+@dataclass
+class Window:
+    start: float | None
+    end: float | None
+    start_seq: int | None
+    subjects: list[str]
+
+
+def _time(value: str | None) -> float | None:
+    if value is None:
+        return None
+    from infernex.commands.backbone import parse_since
+
+    try:
+        return float(value)  # epoch seconds
+    except ValueError:
+        return parse_since(value).timestamp()
+
+
+@replay_app.callback()
+def _window(
+    ctx: typer.Context,
+    start: Optional[str] = typer.Option(None, "--from", help="start: ISO time, epoch seconds, or '10m' ago"),
+    end: Optional[str] = typer.Option(None, "--to", help="end (inclusive): ISO time, epoch seconds, or '5m' ago"),
+    from_seq: Optional[int] = typer.Option(None, "--from-seq", help="start at this stream sequence"),
+    subjects: list[str] = typer.Option(ALL_SUBJECTS, "--subjects", "-s", help="subject filters (repeat)"),
+) -> None:
+    ctx.ensure_object(dict)
+    ctx.meta["window"] = Window(_time(start), _time(end), from_seq, list(subjects))
+
+
+async def fold_window(settings, window: Window, state) -> int:
+    from consumers import bus
+    from consumers.replay import read_window
+    from streams.topology import build_topology
+
+    nc = await bus.connect(settings.nats, name="infernex-replay")
+    n = 0
+    try:
+        topo = build_topology(settings.topology, settings.nats.subject_prefix)
+        async for msg in read_window(nc, topo, window.subjects, start_time=window.start, end_time=window.end,
+                                     start_seq=window.start_seq, prefix=settings.nats.subject_prefix):
+            state.apply(msg)
+            n += 1
+    finally:
+        await nc.close()
+    return n
+
+
+def _settings(ctx):
+    from infernex.cli import settings_of
+
+    return settings_of(ctx)
+
+
+def _run(coro):
+    try:
+        return asyncio.run(coro)
+    except ConnectionError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+@replay_app.command("state")
+def state_cmd(ctx: typer.Context, pool: Optional[str] = typer.Option(None, "--pool")) -> None:
+    """Print the folded state (KV index per pod, load, health, open findings) at the window's end."""
+    from infernex.incident import ReplayState
+
+    st = ReplayState(pool=pool)
+    n = _run(fold_window(_settings(ctx), ctx.meta["window"], st))
+    out = st.state()
+    out["replayed_messages"] = n
+    print(json.dumps(out, indent=2, sort_keys=True))
+
+
+@replay_app.command("decide")
+def decide_cmd(
+    ctx: typer.Context,
+    request: Path = typer.Argument(..., help="an OpenAI request body (JSON file)"),
+    profile: str = typer.Option("kv-aware", "--profile", help="strategy to re-run"),
+    tokenizer: str = typer.Option("simple", "--tokenizer", help="'simple' or a tokenizer.json path"),
+    pool: Optional[str] = typer.Option(None, "--pool"),
+) -> None:
+    """Re-run the router's strategy against the state at the window's end and explain the pick."""
+    from infernex.incident import ReplayState
+
+    try:
+        body = json.loads(request.read_text())
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]cannot read {request}: {exc}[/red]")
+        raise typer.Exit(2) from None
+    st = ReplayState(pool=pool)
+    _run(fold_window(_settings(ctx), ctx.meta["window"], st))
+    try:
+        print(json.dumps(st.decide(body, profile, tokenizer=tokenizer), indent=2))
+    except (ValueError, FileNotFoundError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+@replay_app.command("report")
+def report_cmd(
+    ctx: typer.Context,
+    out: Path = typer.Option(Path("infernex-incident"), "--out", help="directory for report.md and report.html"),
+    ttft_target: float = typer.Option(2.0, "--ttft-target", help="SLA target for TTFT (s)"),
+    itl_target: float = typer.Option(0.1, "--itl-target", help="SLA target for inter-token latency (s)"),
+    pool: Optional[str] = typer.Option(None, "--pool"),
+) -> None:
+    """Write an incident report (Markdown and self-contained HTML) for the window."""
+    from infernex.incident import ReplayState, SlaTargets, report_html, report_markdown
+
+    window = ctx.meta["window"]
+    st = ReplayState(pool=pool, targets=SlaTargets(ttft_s=ttft_target, itl_s=itl_target))
+    n = _run(fold_window(_settings(ctx), window, st))
+    md = report_markdown(st, window.start, window.end)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(report_html(md))
+    console.print(f"{n} messages replayed; {len(st.timeline)} timeline entries; report in {out}/report.md and .html")
+
+
+@replay_app.command("republish")
+def republish_cmd(
+    ctx: typer.Context,
+    prefix: str = typer.Argument(..., help="subject prefix to publish under, e.g. sandbox"),
+    speed: float = typer.Option(1.0, "--speed", help="K x real time; 0 = as fast as possible"),
+) -> None:
+    """Re-publish the window under another subject prefix (to feed a sandboxed copy of the services)."""
+    from consumers import bus
+    from consumers.replay import read_window
+    from schemas import subjects as S
+    from streams.topology import build_topology
+
+    settings = _settings(ctx)
+    window = ctx.meta["window"]
+
+    async def go() -> int:
+        nc = await bus.connect(settings.nats, name="infernex-republish")
+        js = nc.jetstream()
+        n = 0
+        try:
+            src_prefix = settings.nats.subject_prefix
+            dst_prefix = S.with_prefix(src_prefix, prefix) if src_prefix else prefix
+            await bus.apply_topology(js, build_topology(settings.topology, dst_prefix))
+            t0 = first = None
+            async for msg in read_window(nc, build_topology(settings.topology, src_prefix), window.subjects,
+                                         start_time=window.start, end_time=window.end, start_seq=window.start_seq,
+                                         prefix=src_prefix):
+                if speed > 0:
+                    if first is None:
+                        first, t0 = msg.ts, time.monotonic()
+                    delay = (msg.ts - first) / speed - (time.monotonic() - t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                await bus.publish(js, S.with_prefix(dst_prefix, msg.subject), msg.data,
+                                  msg_id=f"replay:{msg.stream}:{msg.seq}")
+                n += 1
+        finally:
+            await nc.close()
+        return n
+
+    n = _run(go())
+    console.print(f"republished {n} messages under {prefix}.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(replay_app, name="replay")

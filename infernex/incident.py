@@ -1,0 +1,284 @@
+"""Rebuild the cluster's state from JetStream history, re-decide past requests, and write
+incident reports.
+
+Composition only: the folds are the live ones (:class:`streams.kv_index.KvIndex`, the
+router's :class:`router.state.ClusterState` with its load and pod-health folds,
+:class:`streams.health.HealthState`), fed in store order with a clock that follows the
+messages' store times. So the state replay reaches at an instant is the state the live
+services held then (up to their own consumer lag), and ``decide`` runs the router's real
+strategy code against it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from consumers.replay import ReplayMsg
+from router.config import RouterConfig
+from router.core import Router
+from router.state import ClusterState
+from router.tokenize import PromptEncoder
+from router.types import RoutingRequest
+from schemas import (
+    DeadLetter,
+    DeviceTelemetry,
+    Diagnosis,
+    EngineAnnouncement,
+    EngineMetrics,
+    KvEventBatch,
+    RequestRecord,
+    RoutingDecision,
+    ScalingHint,
+    ValidationFailure,
+    decode_event,
+)
+from schemas import subjects as S
+from schemas.registry import model_for_subject
+from streams.clock import ManualClock
+from streams.health import HealthState
+from streams.kv_index import KvIndex
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+@dataclass(frozen=True, order=True)
+class TimelineEntry:
+    ts: float
+    kind: str  # diagnosis | resolution | engine-reset | cache-cleared | kv-gap | routing-anomaly | sla-breach | error | hint | dead-letter
+    subject: str
+    text: str
+
+
+@dataclass
+class SlaTargets:
+    ttft_s: float = 2.0
+    itl_s: float = 0.1
+    e2e_s: float | None = None
+
+
+@dataclass
+class ReplayState:
+    """All folds at the instant of the last applied message."""
+
+    pool: str | None = None
+    targets: SlaTargets = field(default_factory=SlaTargets)
+
+    def __post_init__(self) -> None:
+        self.clock = ManualClock(0.0)
+        self.index = KvIndex(self.clock)
+        self.cluster = ClusterState(RouterConfig(pool=self.pool or "default", bus=False), clock=self.clock)
+        self.health = HealthState(self.clock)
+        self.timeline: list[TimelineEntry] = []
+        self.counts: Counter[str] = Counter()
+        self.undecodable: list[tuple[str, str]] = []
+        self.records: list[RequestRecord] = []
+        self.decisions: dict[str, RoutingDecision] = {}
+        self._kv_pos: dict[str, tuple[int, int]] = {}
+        self.first_ts: float | None = None
+        self.last_ts: float | None = None
+
+    # ---------------------------------------------------------------------------- folding
+    def apply(self, msg: ReplayMsg) -> None:
+        if msg.ts > self.clock.now():
+            self.clock.set(msg.ts)
+        self.first_ts = msg.ts if self.first_ts is None else self.first_ts
+        self.last_ts = msg.ts
+        try:
+            model = model_for_subject(msg.subject)
+            event = decode_event(model, msg.data)
+        except (ValueError, ValidationFailure) as exc:
+            self.counts["undecodable"] += 1
+            self.undecodable.append((msg.subject, str(exc)[:200]))
+            return
+        self.counts[model.__name__] += 1
+        if isinstance(event, KvEventBatch):
+            self._kv(msg, event)
+        elif isinstance(event, EngineMetrics):
+            self.cluster.apply_metrics(event)
+            self.health.apply_load(event)
+        elif isinstance(event, DeviceTelemetry):
+            self.health.apply(event)
+        elif isinstance(event, Diagnosis):
+            self.cluster.apply_diagnosis(event)
+            self.health.apply_diagnosis(event)
+            kind = "resolution" if event.status == "resolved" else "diagnosis"
+            if event.status != "updated":
+                pods = f" (pods {', '.join(event.pods)})" if event.pods else ""
+                self.timeline.append(TimelineEntry(msg.ts, kind, msg.subject,
+                                                   f"{event.severity} {event.fault_mode} on {event.node}/{event.device}"
+                                                   f"{pods}: {event.summary}; action {event.action}"))
+        elif isinstance(event, EngineAnnouncement):
+            self.cluster.apply_announcement(event)
+        elif isinstance(event, RequestRecord):
+            self._record(msg, event)
+        elif isinstance(event, RoutingDecision):
+            self.decisions[event.request_id] = event
+        elif isinstance(event, ScalingHint):
+            if event.desired != event.current:
+                self.timeline.append(TimelineEntry(msg.ts, "hint", msg.subject,
+                                                   f"{event.pool}/{event.role}: {event.current} -> {event.desired} "
+                                                   f"replicas ({event.reason})"))
+        elif isinstance(event, DeadLetter):
+            self.timeline.append(TimelineEntry(msg.ts, "dead-letter", msg.subject,
+                                               f"{event.stream}: {event.reason[:160]}"))
+
+    def _kv(self, msg: ReplayMsg, batch: KvEventBatch) -> None:
+        prev = self._kv_pos.get(batch.pod)
+        if prev is not None and batch.epoch == prev[0] and batch.seq > prev[1] + 1:
+            self.timeline.append(TimelineEntry(msg.ts, "kv-gap", msg.subject,
+                                               f"{batch.pod}: KV events {prev[1] + 1}..{batch.seq - 1} missing"))
+        for ev in batch.events:
+            if ev.type == "reset":
+                self.timeline.append(TimelineEntry(msg.ts, "engine-reset", msg.subject,
+                                                   f"{batch.pod}: {ev.reason} (epoch {batch.epoch})"))
+            elif ev.type == "cleared":
+                self.timeline.append(TimelineEntry(msg.ts, "cache-cleared", msg.subject,
+                                                   f"{batch.pod}: all KV blocks cleared"))
+            elif ev.type == "gone":
+                self.timeline.append(TimelineEntry(msg.ts, "engine-reset", msg.subject, f"{batch.pod}: {ev.reason}"))
+        self._kv_pos[batch.pod] = (batch.epoch, batch.seq)
+        self.index.apply(batch)
+
+    def _record(self, msg: ReplayMsg, r: RequestRecord) -> None:
+        self.records.append(r)
+        if r.best_overlap_blocks > r.chosen_overlap_blocks:
+            self.timeline.append(TimelineEntry(
+                msg.ts, "routing-anomaly", msg.subject,
+                f"request {r.request_id} went to {', '.join(r.pods) or '?'} with {r.chosen_overlap_blocks} cached "
+                f"blocks while another backend had {r.best_overlap_blocks}"))
+        if r.status != "ok":
+            self.timeline.append(TimelineEntry(msg.ts, "error", msg.subject,
+                                               f"request {r.request_id} {r.status} ({r.http_status}): {r.error or ''}"[:200]))
+            return
+        breaches = []
+        if r.ttft_s is not None and r.ttft_s > self.targets.ttft_s:
+            breaches.append(f"TTFT {r.ttft_s:.3f}s > {self.targets.ttft_s}s")
+        if r.itl_s is not None and r.itl_s > self.targets.itl_s:
+            breaches.append(f"ITL {r.itl_s * 1000:.0f}ms > {self.targets.itl_s * 1000:.0f}ms")
+        if self.targets.e2e_s is not None and r.e2e_s is not None and r.e2e_s > self.targets.e2e_s:
+            breaches.append(f"e2e {r.e2e_s:.2f}s > {self.targets.e2e_s}s")
+        if breaches:
+            self.timeline.append(TimelineEntry(msg.ts, "sla-breach", msg.subject,
+                                               f"request {r.request_id} on {', '.join(r.pods)}: {'; '.join(breaches)}"))
+
+    # ---------------------------------------------------------------------------- queries
+    def state(self) -> dict[str, Any]:
+        pods = {}
+        for name, info in sorted(self.index.pods().items()):
+            pods[name] = {"kv": {k: v for k, v in vars(info).items() if not k.startswith("_")}}
+        for b in self.cluster.snapshot():
+            p = pods.setdefault(b.pod, {})
+            p.update({"role": b.role, "group": b.group, "url": b.url, "waiting": b.waiting, "running": b.running,
+                      "kv_usage": b.kv_usage, "health": b.health})
+        open_findings = [
+            {"node": d.node, "device": d.device, "fault_mode": d.fault_mode, "severity": d.severity,
+             "action": d.action, "since": iso(d.first_seen), "pods": d.pods}
+            for d in self.cluster.health.open_findings()
+        ]
+        return {
+            "at": iso(self.last_ts) if self.last_ts else None,
+            "messages": dict(sorted(self.counts.items())),
+            "pods": pods,
+            "open_findings": sorted(open_findings, key=lambda f: (f["node"], f["device"], f["fault_mode"])),
+        }
+
+    def decide(self, body: dict[str, Any], profile: str, *, tokenizer: str | None = "simple") -> dict[str, Any]:
+        """Re-run the router's strategy on ``body`` (an OpenAI request) against this state."""
+        kind = "chat" if "messages" in body else "completions"
+        encoder = PromptEncoder(tokenizer)
+        token_ids = encoder.encode(kind, body)
+        model = body.get("model")
+        if not model:
+            raise ValueError("the request needs a model")
+        router = Router(profile, seed=0)
+        req = RoutingRequest(model=model, request_id=body.get("request_id", "replayed"), token_ids=token_ids,
+                             prompt_tokens=len(token_ids or []), max_tokens=body.get("max_tokens"))
+        decision = router.decide(req, self.cluster.snapshot(), self.index, self.clock.now())
+        out = decision.to_dict()
+        out["at"] = iso(self.clock.now()) if self.last_ts else None
+        return out
+
+
+# ------------------------------------------------------------------------------ the report
+def report_markdown(st: ReplayState, start: float | None, end: float | None) -> str:
+    lines = ["# InferNex incident report", ""]
+    lines.append(f"Window: {iso(start) if start else 'beginning'} .. {iso(end) if end else 'end'}  ")
+    if st.first_ts is not None:
+        lines.append(f"Messages: {sum(st.counts.values())} from {iso(st.first_ts)} to {iso(st.last_ts)}")
+    lines += ["", "## Counts", "", "| kind | messages |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(st.counts.items())]
+    kinds = Counter(e.kind for e in st.timeline)
+    lines += ["", "## Summary", ""]
+    for k in ("diagnosis", "resolution", "engine-reset", "cache-cleared", "kv-gap", "routing-anomaly", "sla-breach",
+              "error", "hint", "dead-letter"):
+        lines.append(f"- {k}: {kinds.get(k, 0)}")
+    firsts = {}
+    for e in sorted(st.timeline):
+        firsts.setdefault(e.kind, e)
+    if firsts:
+        first = min(firsts.values())
+        lines += ["", f"First notable event: **{first.kind}** at {iso(first.ts)}: {first.text}"]
+    if st.records:
+        ok = [r for r in st.records if r.status == "ok"]
+        ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+        if ttft:
+            p = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))]  # noqa: E731
+            lines.append(f"\nRequests: {len(st.records)} ({len(st.records) - len(ok)} failed); TTFT p50 "
+                         f"{p(0.5):.3f}s p90 {p(0.9):.3f}s p99 {p(0.99):.3f}s")
+        by_pod = Counter(p for r in st.records for p in r.pods[:1])
+        lines.append("Requests by first pod: " + ", ".join(f"{k} {v}" for k, v in sorted(by_pod.items())))
+    lines += ["", "## Timeline", "", "| time | kind | what |", "|---|---|---|"]
+    for e in sorted(st.timeline):
+        lines.append(f"| {iso(e.ts)} | {e.kind} | {e.text.replace('|', '/')} |")
+    st_now = st.state()
+    lines += ["", "## State at the end of the window", "", "```json", json.dumps(st_now, indent=1, sort_keys=True),
+              "```", ""]
+    return "\n".join(lines)
+
+
+def report_html(markdown: str) -> str:
+    """A self-contained page: the Markdown rendered minimally (headings, tables, lists, code)."""
+    out = ['<!doctype html><html><head><meta charset="utf-8"><title>InferNex incident report</title>',
+           "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+           "td,th{border:1px solid #ccc;padding:3px 6px}pre{background:#f6f6f6;padding:1em}</style></head><body>"]
+    in_table = in_code = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            out.append("</pre>" if in_code else "<pre>")
+            in_code = not in_code
+            continue
+        if in_code:
+            out.append(html.escape(line))
+            continue
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if all(set(c) <= {"-"} for c in cells):
+                continue
+            if not in_table:
+                out.append("<table>")
+                in_table = True
+                out.append("<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cells) + "</tr>")
+            else:
+                out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            out.append("</table>")
+            in_table = False
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            out.append(f"<h{level}>{html.escape(line[level:].strip())}</h{level}>")
+        elif line.startswith("- "):
+            out.append(f"<li>{html.escape(line[2:])}</li>")
+        elif line.strip():
+            out.append(f"<p>{html.escape(line.strip()).replace('**', '')}</p>")
+    if in_table:
+        out.append("</table>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
