@@ -44,6 +44,9 @@ def _root(
         err_console.print(f"[red]invalid settings:[/red] {exc}")
         raise typer.Exit(2) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level.upper() != "DEBUG":
+        for noisy in ("httpx", "httpcore", "aiohttp.access", "matplotlib"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     ctx.obj = settings
 
 
