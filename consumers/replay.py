@@ -1,9 +1,10 @@
 """Read a window of JetStream history in order, for replay and incident analysis.
 
-Each stream that holds a requested subject is read with an ephemeral *ordered* consumer
-(nats-py's ordered push consumer: no acks, no durable state, recreated by the client on
-gaps, deleted with the subscription), from a start time or stream sequence up to an end
-time or the stream's last sequence at the moment the read began. The per-stream readers
+Each stream that holds a requested subject is read in stream order by an ephemeral pull
+consumer without acks (no durable state; deleted when the read ends, and expiring on its
+own if the reader dies), from a start time or stream sequence up to an end time or the
+stream's last sequence at the moment the read began. Pulling means a slow fold slows the
+read down; nothing is dropped. The per-stream readers
 are merged by JetStream timestamp (ties by stream name and sequence), so the output is
 deterministic for the same stored data.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from nats.aio.client import Client as NatsClient
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from schemas import subjects as S
@@ -60,6 +61,8 @@ def _ts(msg) -> float:
 async def _read_stream(nc: NatsClient, stream: str, filters: list[str], *, start_time: float | None,
                        start_seq: int | None, end_time: float | None, prefix: str | None,
                        out: asyncio.Queue, batch_limit: int) -> None:
+    """Pull the stream with an ephemeral, unacknowledged consumer: flow is driven by our
+    fetches, so a slow fold slows the read instead of dropping messages."""
     js = nc.jetstream()
     try:
         info = await js.stream_info(stream)
@@ -70,38 +73,41 @@ async def _read_stream(nc: NatsClient, stream: str, filters: list[str], *, start
     if last == 0 or (start_seq is not None and start_seq > last):
         await out.put(None)
         return
+    cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True,
+                         max_ack_pending=-1)
     if start_seq is not None:
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
+        cfg.deliver_policy, cfg.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_seq
     elif start_time is not None:
-        iso = datetime.fromtimestamp(start_time, tz=timezone.utc).isoformat().replace("+00:00", "Z")
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=iso)
+        cfg.deliver_policy = DeliverPolicy.BY_START_TIME
+        cfg.opt_start_time = datetime.fromtimestamp(start_time, tz=timezone.utc).isoformat().replace("+00:00", "Z")
     else:
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        cfg.deliver_policy = DeliverPolicy.ALL
     if len(filters) == 1:
         cfg.filter_subject = filters[0]
     else:
         cfg.filter_subjects = filters
-    queue: asyncio.Queue = asyncio.Queue(maxsize=batch_limit)
-    sub = await js.subscribe(filters[0], stream=stream, ordered_consumer=True, config=cfg,
-                             cb=queue.put, pending_msgs_limit=batch_limit * 4)
+    sub = await js.pull_subscribe(filters[0], durable=None, stream=stream, config=cfg)
     strip = len(prefix) + 1 if prefix else 0
     try:
         info = await sub.consumer_info()
-        if info.num_pending == 0 and queue.empty():
-            return
-        while True:
+        pending = info.num_pending
+        done = pending == 0
+        while not done:
             try:
-                msg = await asyncio.wait_for(queue.get(), timeout=2.0)
+                msgs = await sub.fetch(min(batch_limit, max(pending, 1)), timeout=2.0)
             except asyncio.TimeoutError:
-                # nothing more arrives: filtered subjects may end before the stream does
-                break
-            seq = msg.metadata.sequence.stream
-            ts = _ts(msg)
-            if end_time is not None and ts > end_time:
-                break
-            await out.put(ReplayMsg(ts, stream, seq, msg.subject[strip:], msg.data))
-            if seq >= last or msg.metadata.num_pending == 0:
-                break
+                break  # nothing more within the window (filtered subjects may end early)
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                ts = _ts(msg)
+                if end_time is not None and ts > end_time:
+                    done = True
+                    break
+                await out.put(ReplayMsg(ts, stream, seq, msg.subject[strip:], msg.data))
+                pending = msg.metadata.num_pending
+                if seq >= last or pending == 0:
+                    done = True
+                    break
     finally:
         name = None
         try:

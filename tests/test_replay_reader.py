@@ -47,3 +47,18 @@ async def test_window_by_time(nc, prefix, topology):
     assert 4 <= len(got) <= 6
     later = [m async for m in read_window(nc, topology, ["kv.events.>"], prefix=prefix, start_time=mid)]
     assert len(got) + len(later) in (10, 11)
+
+
+async def test_slow_fold_loses_nothing(nc, prefix, topology):
+    js = nc.jetstream()
+    n = 3000
+    subject = S.with_prefix(prefix, S.kv_events("m", "p"))
+    for i in range(0, n, 500):
+        await asyncio.gather(*(js.publish(subject, KvEventBatch(pod="p", model="m", seq=j, ts=1.0, events=[]).to_json())
+                               for j in range(i, i + 500)))
+    seqs = []
+    async for m in read_window(nc, topology, ["kv.events.>"], prefix=prefix, buffer=16):
+        seqs.append(KvEventBatch.from_json(m.data).seq)
+        if len(seqs) % 100 == 0:
+            await asyncio.sleep(0.01)  # a fold slower than the server
+    assert sorted(seqs) == list(range(n))
