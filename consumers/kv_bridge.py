@@ -1,0 +1,823 @@
+"""vLLM KV events (ZMQ) -> JetStream, one message per vLLM batch.
+
+Pipeline: a ZMQ SUB socket receives ``(topic, seq, msgpack KVEventBatch)`` frames; each
+frame is decoded with msgspec (map-encoded events of current vLLM or array-encoded ones
+of older vLLM; block hashes as int or digest bytes), normalized into the
+:class:`schemas.KvEventBatch` JSON and queued; a sender publishes the queue to
+``kv.events.<model>.<pod>`` with ``Nats-Msg-Id = <pod>:<epoch>:<seq>``, keeping up to
+``max_inflight`` acks outstanding and the order of the queue.
+
+Sequence handling (:class:`SequenceTracker`, pure):
+
+* ``seq == last + 1``: in order;
+* ``seq > last + 1``: a gap; the missing frames are asked for on the replay socket
+  (vLLM's ROUTER: ``[b"", start_seq]`` -> ``[b"", seq, payload]``... end marker) and
+  published first, in order. Frames the engine no longer buffers are lost: the next
+  published batch then starts with a ``PodReset`` (the indexer forgets the pod);
+* ``seq <= last``: the engine restarted; ``epoch`` goes up by one and the first batch of
+  the new epoch starts with a ``PodReset``; a new incarnation whose first frames were
+  missed is replayed from 0.
+
+On start the bridge reads the last message it stored for the pod from JetStream, so a
+restarted bridge continues the epoch and sequence (and fills what it missed meanwhile)
+instead of reusing message ids the stream would drop as duplicates.
+
+Undecodable frames go to ``dlq.kv-events`` with the reason; the bridge keeps going.
+A NATS outage stalls the sender; the bounded queue then stalls the reader and the
+engine's PUB socket buffers (and, past its high-water mark, drops - which the next
+frame shows as a gap that is replayed). Publishes that fail are retried in order with
+the same message id, so nothing is stored twice.
+
+One bridge serves one engine endpoint. vLLM gives every data-parallel rank its own
+endpoint and its own sequence, so a pod with several DP ranks needs one bridge per rank
+with distinct ``--pod`` names (``(pod, epoch, seq)`` must stay unique).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Union
+
+import msgspec
+import nats
+import zmq
+import zmq.asyncio
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from consumers import bus
+from schemas import SCHEMA_VERSION
+from schemas import subjects as S
+
+log = logging.getLogger(__name__)
+
+U64 = (1 << 64) - 1
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_MEDIA = {"GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"}
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+Hash = Union[int, bytes]
+
+
+# --- vLLM wire structs (mirroring vllm/distributed/kv_events.py) ---------------------------------
+
+class _MapStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[Hash]
+    parent_block_hash: Union[Hash, None] = None
+    token_ids: list[TokenId] = []
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+
+
+class _MapRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[Hash]
+    medium: Union[str, None] = None
+
+
+class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    medium: Union[str, None] = None
+
+
+class _MapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[Union[_MapStored, _MapRemoved, _MapCleared]]
+    data_parallel_rank: Union[int, None] = None
+
+
+class _ArrStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[Hash]
+    parent_block_hash: Union[Hash, None]
+    token_ids: list[TokenId]
+    block_size: int
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+
+
+class _ArrRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[Hash]
+    medium: Union[str, None] = None
+
+
+class _ArrCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_ArrStored, _ArrRemoved, _ArrCleared]]
+    data_parallel_rank: Union[int, None] = None
+
+
+# --- normalized output structs (the JSON of schemas.KvEventBatch) --------------------------------
+
+class OutStored(msgspec.Struct, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None]
+    lora_name: Union[str, None]
+    medium: Union[str, None]
+    type: str = "stored"
+
+
+class OutRemoved(msgspec.Struct, gc=False):
+    block_hashes: list[int]
+    medium: Union[str, None]
+    type: str = "removed"
+
+
+class OutCleared(msgspec.Struct, gc=False):
+    medium: Union[str, None]
+    type: str = "cleared"
+
+
+class OutReset(msgspec.Struct, gc=False):
+    reason: str
+    type: str = "reset"
+
+
+class OutBatch(msgspec.Struct, gc=False):
+    pod: str
+    model: str
+    dp_rank: int
+    epoch: int
+    seq: int
+    ts: float
+    events: list[Any]
+    schema_version: int = SCHEMA_VERSION
+
+
+class FrameError(ValueError):
+    """A frame that cannot become a KvEventBatch; the message is the dead-letter reason."""
+
+
+@dataclass(slots=True)
+class Normalized:
+    events: list[Any]
+    ts: float
+    dp_rank: int | None
+    blocks_stored: int
+    blocks_removed: int
+
+
+_map_dec = msgspec.msgpack.Decoder(_MapBatch)
+_arr_dec = msgspec.msgpack.Decoder(_ArrBatch)
+_json_enc = msgspec.json.Encoder()
+
+
+def _hashes(values: list, what: str) -> list[int]:
+    if not values:
+        raise FrameError(f"{what}: no block hashes")
+    try:
+        if min(values) >= 0 and max(values) <= U64:  # all ints in range: the common case, no copy
+            return values
+    except TypeError:  # bytes digests (or a mix)
+        pass
+    return [_hash(v, what) for v in values]
+
+
+def _hash(v: int | bytes, what: str) -> int:
+    if isinstance(v, bytes):
+        if not v:
+            raise FrameError(f"{what}: empty block hash bytes")
+        return int.from_bytes(v[-8:], "big")
+    if v < -(1 << 63) or v > U64:
+        raise FrameError(f"{what}: block hash {v} does not fit in 64 bits")
+    return v & U64
+
+
+def _medium(m: str | None) -> str | None:
+    if m is None or m in _MEDIA:
+        return m
+    up = m.upper()
+    return up if up in _MEDIA else None
+
+
+def decode_frame(payload: bytes) -> Normalized:
+    """One vLLM ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if bad."""
+    if not payload:
+        raise FrameError("empty payload")
+    first = payload[0]
+    is_array = 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+    try:
+        batch = (_arr_dec if is_array else _map_dec).decode(payload)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        raise FrameError(f"undecodable {'array' if is_array else 'map'}-encoded KVEventBatch: {exc}") from None
+    out: list[Any] = []
+    stored = removed = 0
+    for i, e in enumerate(batch.events):
+        cls = type(e)
+        if cls is _MapStored or cls is _ArrStored:
+            hashes = _hashes(e.block_hashes, f"events[{i}]")
+            bs = e.block_size
+            if bs <= 0:
+                raise FrameError(f"events[{i}]: block_size must be positive, got {bs}")
+            if len(e.token_ids) != len(hashes) * bs:
+                raise FrameError(f"events[{i}]: {len(e.token_ids)} token ids for {len(hashes)} blocks "
+                                 f"of size {bs}")
+            parent = e.parent_block_hash
+            if parent is not None and not (type(parent) is int and 0 <= parent <= U64):
+                parent = _hash(parent, f"events[{i}].parent_block_hash")
+            out.append(OutStored(hashes, parent, e.token_ids, bs, e.lora_id, e.lora_name, _medium(e.medium)))
+            stored += len(hashes)
+        elif cls is _MapRemoved or cls is _ArrRemoved:
+            hashes = _hashes(e.block_hashes, f"events[{i}]")
+            out.append(OutRemoved(hashes, _medium(e.medium)))
+            removed += len(hashes)
+        else:
+            out.append(OutCleared(_medium(getattr(e, "medium", None))))
+    ts = batch.ts
+    if not ts >= 0:  # also rejects NaN
+        raise FrameError(f"batch ts {ts} is not a time")
+    dp = batch.data_parallel_rank
+    if dp is not None and dp < 0:
+        raise FrameError(f"data_parallel_rank {dp} is negative")
+    return Normalized(out, ts, dp, stored, removed)
+
+
+# --- sequence tracking (pure) -------------------------------------------------------------------
+
+@dataclass
+class SeqDecision:
+    kind: str  # "first" | "next" | "gap" | "restart"
+    replay_from: int | None = None  # first missing seq to ask the replay socket for
+
+
+@dataclass
+class SequenceTracker:
+    """Where the bridge is in an engine's sequence, and which epoch (incarnation) it is in."""
+
+    last_seq: int | None = None
+    epoch: int = 0
+    reset_reason: str | None = None  # a PodReset is owed at the head of the next batch
+
+    def observe(self, seq: int) -> SeqDecision:
+        last = self.last_seq
+        if last is None:
+            return SeqDecision("first")
+        if seq == last + 1:
+            return SeqDecision("next")
+        if seq > last + 1:
+            return SeqDecision("gap", last + 1)
+        return SeqDecision("restart", 0 if seq > 0 else None)
+
+    def start_epoch(self, reason: str = "engine restart") -> None:
+        self.epoch += 1
+        self.last_seq = None
+        self.reset_reason = reason
+
+    def lost(self, first: int, last: int) -> None:
+        """Frames ``first..last`` are gone for good: owe the indexer a reset."""
+        reason = f"lost KV events seq {first}..{last}"
+        self.reset_reason = reason if self.reset_reason is None else f"{self.reset_reason}; {reason}"
+
+    def accept(self, seq: int) -> str | None:
+        """Record ``seq`` as handled; returns the reset reason owed before it (once)."""
+        self.last_seq = seq
+        reason, self.reset_reason = self.reset_reason, None
+        return reason
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+class BridgeMetrics:
+    """The bridge's Prometheus metrics. Per-frame counts are plain ints read at scrape time
+    (a custom collector), so the hot path pays no metric-object overhead; the publish
+    latency histogram samples one acknowledged batch in ``LATENCY_SAMPLE``."""
+
+    LATENCY_SAMPLE = 8
+
+    def __init__(self, registry: CollectorRegistry | None, pod: str):
+        self.pod = pod
+        self.frames_live = 0
+        self.frames_replay = 0
+        self.stored = 0
+        self.removed = 0
+        self.published = 0
+        self.queue_depth = 0
+        self.gaps = Counter("infernex_kv_bridge_gaps_total", "sequence gaps, by outcome",
+                            ["pod", "outcome"], registry=registry)
+        self.restarts = Counter("infernex_kv_bridge_engine_restarts_total",
+                                "engine restarts seen (sequence went back)", ["pod"], registry=registry)
+        self.dead = Counter("infernex_kv_bridge_dead_letters_total", "frames sent to the dead-letter subject",
+                            ["pod"], registry=registry)
+        self.retries = Counter("infernex_kv_bridge_publish_retries_total", "JetStream publishes retried",
+                               ["pod"], registry=registry)
+        self.latency = Histogram("infernex_kv_bridge_publish_latency_seconds",
+                                 f"time from ZMQ receive to JetStream ack (1 in {self.LATENCY_SAMPLE} "
+                                 "batches sampled)", ["pod"], registry=registry,
+                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                          2.5, 5, 10, 30))
+        self.gap_filled = self.gaps.labels(pod, "filled")
+        self.gap_lost = self.gaps.labels(pod, "lost")
+        self.restart = self.restarts.labels(pod)
+        self.dead_pod = self.dead.labels(pod)
+        self.retry = self.retries.labels(pod)
+        self.lat = self.latency.labels(pod)
+        if registry is not None:
+            registry.register(self)
+
+    def collect(self):
+        pod = self.pod
+        frames = CounterMetricFamily("infernex_kv_bridge_frames", "vLLM KV-event frames received",
+                                     labels=["pod", "path"])
+        frames.add_metric([pod, "live"], self.frames_live)
+        frames.add_metric([pod, "replay"], self.frames_replay)
+        blocks = CounterMetricFamily("infernex_kv_bridge_blocks", "blocks in published KV events",
+                                     labels=["pod", "event"])
+        blocks.add_metric([pod, "stored"], self.stored)
+        blocks.add_metric([pod, "removed"], self.removed)
+        published = CounterMetricFamily("infernex_kv_bridge_published", "batches acknowledged by JetStream",
+                                        labels=["pod"])
+        published.add_metric([pod], self.published)
+        queue = GaugeMetricFamily("infernex_kv_bridge_queue_depth", "batches waiting to be published",
+                                  labels=["pod"])
+        queue.add_metric([pod], self.queue_depth)
+        return [frames, blocks, published, queue]
+
+    def describe(self):
+        return self.collect()
+
+
+# --- ordered, pipelined JetStream sender --------------------------------------------------------
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    subject: str
+    data: bytes
+    msg_id: str
+    t0: float
+    stored: int = 0
+    removed: int = 0
+    sent_at: float = 0.0
+    state: int = 0  # 0 in flight, 1 acknowledged, 2 failed
+    error: str | None = None
+
+
+class _Pipe:
+    """A bounded FIFO between one producer and one consumer task (lighter than asyncio.Queue)."""
+
+    def __init__(self, maxsize: int):
+        self._d: deque = deque()
+        self._max = maxsize
+        self._items = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+
+    async def put(self, item) -> None:
+        while len(self._d) >= self._max:
+            self._space.clear()
+            await self._space.wait()
+        self._d.append(item)
+        self._items.set()
+
+    async def get(self):
+        while not self._d:
+            self._items.clear()
+            await self._items.wait()
+        item = self._d.popleft()
+        self._space.set()
+        return item
+
+    def empty(self) -> bool:
+        return not self._d
+
+    def qsize(self) -> int:
+        return len(self._d)
+
+
+class OrderedPublisher:
+    """Publishes queued items to JetStream in order with up to ``max_inflight`` unacknowledged.
+
+    Each message is a plain NATS publish whose reply subject is a token under one inbox
+    subscription, so JetStream's ack comes back there (cheaper than a request per message).
+    Items are retired in queue order. A failed ack, or one missing after ``ack_timeout``
+    (e.g. NATS restarted), makes the whole window be re-sent one by one with the same
+    ``Nats-Msg-Id`` (copies the server already stored are dropped as duplicates), then
+    pipelining resumes. ``on_ack`` is called in queue order.
+    """
+
+    def __init__(self, nc, metrics: BridgeMetrics, *, max_inflight: int = 256, queue_size: int = 4096,
+                 ack_timeout: float = 5.0, on_ack: Callable[[_Item], None] | None = None):
+        self._nc = nc
+        self._m = metrics
+        self.queue = _Pipe(queue_size)
+        self._max_inflight = max_inflight
+        self._ack_timeout = ack_timeout
+        self._on_ack = on_ack
+        self._inflight: dict[str, _Item] = {}
+        self._wake = asyncio.Event()
+        self._token = 0
+        self._inbox: str | None = None
+        self._sub = None
+        self.acked = 0
+
+    async def put(self, item: _Item) -> None:
+        await self.queue.put(item)
+        self._wake.set()
+
+    async def _on_reply(self, msg) -> None:
+        token = msg.subject[len(self._inbox) + 1:]
+        item = self._inflight.pop(token, None)
+        if item is None:
+            return  # an ack for a window that was already re-sent
+        hdrs = msg.headers
+        if hdrs and hdrs.get("Status") == "503":
+            item.state, item.error = 2, "no JetStream stream answers this subject (503)"
+        elif b'"error"' in msg.data:
+            item.state, item.error = 2, msg.data.decode(errors="replace")[:300]
+        else:
+            item.state = 1
+        self._wake.set()
+
+    async def _send(self, item: _Item) -> None:
+        self._token += 1
+        token = str(self._token)
+        item.state, item.error, item.sent_at = 0, None, time.monotonic()
+        self._inflight[token] = item
+        try:
+            await self._nc.publish(item.subject, item.data, reply=f"{self._inbox}.{token}",
+                                   headers={"Nats-Msg-Id": item.msg_id})
+        except Exception:
+            self._inflight.pop(token, None)
+            raise
+
+    def _done(self, item: _Item) -> None:
+        self.acked += 1
+        m = self._m
+        m.published += 1
+        if m.published % m.LATENCY_SAMPLE == 0:
+            m.lat.observe(time.monotonic() - item.t0)
+        m.stored += item.stored
+        m.removed += item.removed
+        if self._on_ack is not None:
+            self._on_ack(item)
+
+    async def _resend_serially(self, items: list[_Item]) -> None:
+        delay = 0.05
+        for item in items:
+            while True:
+                try:
+                    await self._send(item)
+                    deadline = time.monotonic() + self._ack_timeout
+                    while item.state == 0 and time.monotonic() < deadline:
+                        self._wake.clear()
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
+                        except asyncio.TimeoutError:
+                            break
+                    if item.state == 1:
+                        break
+                    reason = item.error or "no ack"
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - connection trouble: wait and retry, same id
+                    reason = f"{type(exc).__name__}: {exc}"
+                self._m.retry.inc()
+                log.warning("publish %s failed (%s); retrying", item.msg_id, reason)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            delay = 0.05
+            self._done(item)
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_reply,
+                                             pending_msgs_limit=1_000_000, pending_bytes_limit=256 * 1024 * 1024)
+
+    async def run(self) -> None:
+        """Publish until a ``None`` item arrives (everything before it is acknowledged)."""
+        if self._inbox is None:
+            await self.start()
+        window: deque[_Item] = deque()
+        q = self.queue
+        finished = False
+        try:
+            while not finished or window:
+                failed = False
+                # send what is queued while the window has room
+                while not finished and len(window) < self._max_inflight and (not window or not q.empty()):
+                    item = await q.get()
+                    if item is None:
+                        finished = True
+                        break
+                    window.append(item)
+                    try:
+                        await self._send(item)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - resend serially below
+                        item.state, item.error = 2, f"{type(exc).__name__}: {exc}"
+                        failed = True
+                        break
+                self._m.queue_depth = q.qsize()
+                # retire acknowledged items from the head, in order
+                while window and window[0].state == 1:
+                    self._done(window.popleft())
+                if window and not failed:
+                    head = window[0]
+                    if head.state == 2 or time.monotonic() - head.sent_at > self._ack_timeout:
+                        failed = True
+                if failed:
+                    items = list(window)
+                    window.clear()
+                    self._inflight.clear()
+                    self._m.retry.inc()
+                    log.warning("JetStream publish of %s failed (%s); re-sending %d batches in order",
+                                items[0].msg_id, items[0].error or "ack timeout", len(items))
+                    await self._resend_serially(items)
+                    continue
+                if window and (len(window) >= self._max_inflight or q.empty()):
+                    # wait for an ack (or a new item when there is room)
+                    self._wake.clear()
+                    if window[0].state == 0 and (len(window) >= self._max_inflight or q.empty()):
+                        left = self._ack_timeout - (time.monotonic() - window[0].sent_at)
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), max(0.001, left))
+                        except asyncio.TimeoutError:
+                            pass
+        finally:
+            if self._sub is not None:
+                try:
+                    await self._sub.unsubscribe()
+                except Exception:  # noqa: BLE001 - connection may be closed already
+                    pass
+
+
+# --- the bridge ---------------------------------------------------------------------------------
+
+@dataclass
+class BridgeConfig:
+    endpoint: str
+    pod: str
+    model: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_rank: int = 0
+    max_inflight: int = 256
+    queue_size: int = 4096
+    replay_timeout_s: float = 2.0
+    ack_timeout_s: float = 5.0
+    recover: bool = True  # continue from the last batch stored for this pod
+    backfill: bool = True  # on a fresh start, replay what the engine still buffers
+
+
+@dataclass
+class BridgeStats:
+    frames: int = 0
+    replayed: int = 0
+    dead_letters: int = 0
+    gaps_filled: int = 0
+    gaps_lost: int = 0
+    restarts: int = 0
+    published: int = 0
+    blocks: int = 0
+
+
+async def last_stored_position(js: JetStreamContext, stream: str, subject: str) -> tuple[int, int] | None:
+    """``(epoch, seq)`` of the last batch stored on ``subject``, or None."""
+    try:
+        msg = await js.get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    try:
+        data = msgspec.json.decode(msg.data)
+        return int(data["epoch"]), int(data["seq"])
+    except Exception:  # noqa: BLE001 - an unreadable last message: start fresh
+        return None
+
+
+class KvBridge:
+    """One engine (one PUB endpoint, one pod) -> JetStream.
+
+    ``nc`` is a connected NATS client; ``stream`` the JetStream stream holding the pod's
+    subject (used to continue after the last stored batch). ``drop`` is a test hook:
+    frames whose sequence it returns True for are discarded on arrival (once each), as if
+    the network had lost them.
+    """
+
+    def __init__(self, cfg: BridgeConfig, nc: NatsClient, *, subject_prefix: str | None = None,
+                 registry: CollectorRegistry | None = None, dead_letters: bus.DeadLetters | None = None,
+                 stream: str | None = None, context: zmq.asyncio.Context | None = None,
+                 drop: Callable[[int], bool] | None = None):
+        self.cfg = cfg
+        self.nc = nc
+        self.js = js = nc.jetstream()
+        self.subject = S.with_prefix(subject_prefix, S.kv_events(cfg.model, cfg.pod))
+        self.stream = stream
+        self.metrics = BridgeMetrics(registry, cfg.pod)
+        self.dlq = dead_letters or bus.DeadLetters(js, consumer=f"kv-bridge:{cfg.pod}", registry=registry,
+                                                   prefix=subject_prefix)
+        self.tracker = SequenceTracker()
+        self.stats = BridgeStats()
+        self.publisher = OrderedPublisher(nc, self.metrics, max_inflight=cfg.max_inflight,
+                                          queue_size=cfg.queue_size, ack_timeout=cfg.ack_timeout_s,
+                                          on_ack=self._acked)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._drop = drop
+        self._dropped: set[int] = set()
+        self._pod, self._model = cfg.pod, cfg.model
+        self.ready = asyncio.Event()
+
+    def _acked(self, item: _Item) -> None:
+        self.stats.published += 1
+        self.stats.blocks += item.stored + item.removed
+
+    # -- frame handling --
+
+    async def _dead_letter(self, data: bytes, reason: str, seq: int | None) -> None:
+        self.stats.dead_letters += 1
+        self.metrics.dead_pod.inc()
+        log.warning("kv-bridge %s: dead letter (seq %s): %s", self._pod, seq, reason)
+        headers = {"pod": self._pod, "model": self._model}
+        if seq is not None:
+            headers["vllm-seq"] = str(seq)
+        try:
+            await self.dlq.send(S.KV_EVENTS, self.subject, data, reason, headers=headers)
+        except Exception as exc:  # noqa: BLE001 - NATS down: the letter is logged above, keep bridging
+            log.error("kv-bridge %s: dead letter for seq %s not stored (%s: %s)", self._pod, seq,
+                      type(exc).__name__, exc)
+
+    async def _emit(self, seq: int, payload: bytes, t0: float) -> None:
+        """Decode one in-order frame and queue its batch (or dead-letter it)."""
+        try:
+            norm = decode_frame(payload)
+        except FrameError as exc:
+            reason = self.tracker.reset_reason
+            self.tracker.accept(seq)
+            self.tracker.reset_reason = reason  # still owed to the next good batch
+            await self._dead_letter(payload, str(exc), seq)
+            return
+        owed = self.tracker.accept(seq)
+        events = norm.events
+        if owed is not None:
+            events = [OutReset(owed), *events]
+        epoch = self.tracker.epoch
+        batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
+                         epoch, seq, norm.ts, events)
+        await self.publisher.put(_Item(self.subject, _json_enc.encode(batch), f"{self._pod}:{epoch}:{seq}", t0,
+                                       norm.blocks_stored, norm.blocks_removed))
+
+    async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
+        """Handle one live frame from the SUB socket (public for tests and benches)."""
+        t0 = time.monotonic() if t0 is None else t0
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.frames += 1
+            await self._dead_letter(b"".join(frames[-1:]),
+                                    f"frame has {len(frames)} parts (want topic, 8-byte seq, payload)", None)
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._drop is not None and seq not in self._dropped and self._drop(seq):
+            self._dropped.add(seq)
+            return
+        self.stats.frames += 1
+        self.metrics.frames_live += 1
+        d = self.tracker.observe(seq)
+        if d.kind == "restart":
+            self.stats.restarts += 1
+            self.metrics.restart.inc()
+            log.info("kv-bridge %s: engine restarted (seq %d after %s); epoch %d", self._pod, seq,
+                     self.tracker.last_seq, self.tracker.epoch + 1)
+            self.tracker.start_epoch("engine restart")
+            if d.replay_from is not None:
+                await self._fill(d.replay_from, seq)
+        elif d.kind == "gap":
+            await self._fill(d.replay_from, seq)
+        elif d.kind == "first" and seq > 0 and self.cfg.backfill and self.cfg.replay_endpoint:
+            # a fresh bridge: take what the engine still buffers from its start
+            await self._fill(0, seq, backfill=True)
+        await self._emit(seq, frames[2], t0)
+
+    async def _fill(self, first: int, upto: int, backfill: bool = False) -> None:
+        """Replay ``first..upto-1`` and emit them in order; what is missing is lost
+        (when back-filling a fresh start, missing history is simply not there)."""
+        got = await self._replay(first, upto) if self.cfg.replay_endpoint else {}
+        if backfill:
+            for s in sorted(got):
+                self.stats.replayed += 1
+                self.metrics.frames_replay += 1
+                await self._emit(s, got[s], time.monotonic())
+            return
+        expected = first
+        for s in range(first, upto):
+            if s not in got:
+                continue
+            if s > expected:
+                self._lost(expected, s - 1)
+            self.stats.replayed += 1
+            self.metrics.frames_replay += 1
+            await self._emit(s, got[s], time.monotonic())
+            expected = s + 1
+        if expected < upto:
+            self._lost(expected, upto - 1)
+        elif upto > first:
+            self.stats.gaps_filled += 1
+            self.metrics.gap_filled.inc()
+
+    def _lost(self, first: int, last: int) -> None:
+        self.stats.gaps_lost += 1
+        self.metrics.gap_lost.inc()
+        log.warning("kv-bridge %s: KV events seq %d..%d are lost (not in the replay buffer)", self._pod, first,
+                    last)
+        self.tracker.lost(first, last)
+        self.tracker.last_seq = last
+
+    async def _replay(self, first: int, upto: int) -> dict[int, bytes]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        out: dict[int, bytes] = {}
+        try:
+            sock.connect(self.cfg.replay_endpoint)
+            await sock.send_multipart([b"", first.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.cfg.replay_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(left * 1000):
+                    log.warning("kv-bridge %s: replay from %d timed out", self._pod, first)
+                    break
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                _, seq_b, payload = frames
+                if seq_b == END_SEQ or not payload:
+                    break
+                s = int.from_bytes(seq_b, "big")
+                if first <= s < upto:
+                    out[s] = payload
+        finally:
+            sock.close(linger=0)
+        return out
+
+    # -- running --
+
+    async def recover(self) -> None:
+        if not self.cfg.recover or self.stream is None:
+            return
+        pos = await last_stored_position(self.js, self.stream, self.subject)
+        if pos is not None:
+            self.tracker.epoch, self.tracker.last_seq = pos
+            log.info("kv-bridge %s: continuing after epoch %d seq %d", self._pod, *pos)
+
+    async def run(self, stop: asyncio.Event) -> BridgeStats:
+        await self.recover()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
+        sub.connect(self.cfg.endpoint)
+        raw = zmq.Socket.shadow(sub.underlying)  # sync view for draining without awaits
+        await self.publisher.start()
+        sender = asyncio.create_task(self.publisher.run(), name=f"kv-bridge-sender-{self._pod}")
+        self.ready.set()
+        try:
+            while not stop.is_set():
+                if sender.done():
+                    sender.result()  # surface a crash
+                if not await sub.poll(100):
+                    continue
+                t0 = time.monotonic()
+                for _ in range(1000):
+                    try:
+                        frames = raw.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self.handle_frame(frames, t0)
+        finally:
+            sub.close(linger=0)
+            await self.publisher.queue.put(None)
+            try:
+                await asyncio.wait_for(sender, timeout=self.cfg.ack_timeout_s * 3)
+            except asyncio.TimeoutError:
+                log.warning("kv-bridge %s: %d batches not acknowledged at shutdown", self._pod,
+                            self.publisher.queue.qsize())
+                sender.cancel()
+        return self.stats
+
+
+async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: CollectorRegistry | None = None,
+                     stop: asyncio.Event | None = None) -> BridgeStats:
+    """Connect to NATS and run one bridge until ``stop`` (CLI entry)."""
+    from streams.topology import build_topology, stream_for_subject
+
+    stop = stop or asyncio.Event()
+    nc = await bus.connect(nats_cfg, name=f"kv-bridge-{cfg.pod}")
+    try:
+        topo = topology or build_topology(prefix=nats_cfg.subject_prefix)
+        subject = S.with_prefix(nats_cfg.subject_prefix, S.kv_events(cfg.model, cfg.pod))
+        spec = stream_for_subject(topo, subject)
+        bridge = KvBridge(cfg, nc, subject_prefix=nats_cfg.subject_prefix, registry=registry,
+                          stream=spec.name if spec else None)
+        return await bridge.run(stop)
+    finally:
+        await nc.close()

@@ -1,0 +1,236 @@
+"""Commands of the producers: ``bridge vllm-kv``, ``collect metrics``, ``collect devices``,
+``sim-devices``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import signal
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True)
+out = Console()
+log = logging.getLogger(__name__)
+
+bridge_app = typer.Typer(help="Bridges from engines onto JetStream.", no_args_is_help=True)
+collect_app = typer.Typer(help="Collectors: engine metrics and device telemetry onto JetStream.",
+                          no_args_is_help=True)
+
+
+def _settings(ctx: typer.Context):
+    from infernex.cli import settings_of
+
+    return settings_of(ctx)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _run(coro):
+    try:
+        return asyncio.run(coro)
+    except ConnectionError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+
+
+def _serve_metrics(port: Optional[int], registry) -> None:
+    if port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, registry=registry)
+        out.print(f"metrics on http://0.0.0.0:{port}/metrics")
+
+
+@bridge_app.command("vllm-kv")
+def bridge_vllm_kv(
+    ctx: typer.Context,
+    endpoint: str = typer.Option(..., "--endpoint", help="vLLM KV-event PUB endpoint, tcp://HOST:PORT"),
+    pod: str = typer.Option(..., "--pod", help="pod (engine) name"),
+    model: str = typer.Option(..., "--model", help="served model name"),
+    replay_endpoint: Optional[str] = typer.Option(None, "--replay-endpoint", help="vLLM replay ROUTER endpoint"),
+    dp_rank: int = typer.Option(0, "--dp-rank", min=0,
+                                help="data-parallel rank if the engine sends none (one bridge and one --pod "
+                                     "name per rank: each rank has its own sequence)"),
+    topic: str = typer.Option("", "--topic", help="ZMQ topic to subscribe to ('' = all)"),
+    max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+) -> None:
+    """Subscribe to a vLLM KV-event stream and publish one message per batch."""
+    from prometheus_client import CollectorRegistry
+
+    from consumers.kv_bridge import BridgeConfig, run_bridge
+
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise typer.BadParameter("endpoint must look like tcp://HOST:PORT", param_hint="--endpoint")
+    settings = _settings(ctx)
+    registry = CollectorRegistry()
+    _serve_metrics(metrics_port, registry)
+    cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
+                       dp_rank=dp_rank, max_inflight=max_inflight)
+
+    async def go():
+        stats = await run_bridge(cfg, settings.nats, registry=registry, stop=_stop_event())
+        out.print(f"bridge stopped: {stats.frames} frames, {stats.published} batches published, "
+                  f"{stats.gaps_filled} gaps filled, {stats.gaps_lost} lost, {stats.restarts} restarts, "
+                  f"{stats.dead_letters} dead letters")
+
+    out.print(f"bridging {endpoint} (pod {pod}, model {model}); Ctrl-C stops")
+    _run(go())
+
+
+def _pair_targets(targets: list[str], pods: list[str]) -> list:
+    from consumers.metrics_collector import Target
+
+    if not targets:
+        raise typer.BadParameter("give at least one --target URL", param_hint="--target")
+    if len(pods) != len(targets):
+        raise typer.BadParameter(f"give one --pod per --target ({len(targets)} targets, {len(pods)} pods)",
+                                 param_hint="--pod")
+    return [Target(url=u if u.endswith("/metrics") else u.rstrip("/") + "/metrics", pod=p)
+            for u, p in zip(targets, pods)]
+
+
+@collect_app.command("metrics")
+def collect_metrics(
+    ctx: typer.Context,
+    target: list[str] = typer.Option([], "--target", help="engine base URL or /metrics URL (repeatable)"),
+    pod: list[str] = typer.Option([], "--pod", help="pod name of each --target, in order"),
+    interval: float = typer.Option(5.0, "--interval", min=0.1, help="seconds between scrapes"),
+    once: bool = typer.Option(False, "--once", help="scrape once, print the status, exit"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+) -> None:
+    """Scrape vLLM /metrics and publish engine metric snapshots."""
+    from prometheus_client import CollectorRegistry
+
+    from consumers import bus
+    from consumers.metrics_collector import MetricsCollector
+
+    targets = _pair_targets(target, pod)
+    settings = _settings(ctx)
+    registry = CollectorRegistry()
+    _serve_metrics(metrics_port, registry)
+
+    async def go():
+        nc = await bus.connect(settings.nats, name="infernex-metrics-collector")
+        try:
+            col = MetricsCollector(targets, nc.jetstream(), subject_prefix=settings.nats.subject_prefix,
+                                   registry=registry)
+            if once:
+                snaps = await col.scrape_once()
+            else:
+                await col.run(_stop_event(), interval)
+                snaps = []
+            return col.status, snaps
+        finally:
+            await nc.drain()
+
+    status, snaps = _run(go())
+    for url, st in status.items():
+        state = "[green]up[/green]" if st.up else f"[red]down[/red] ({st.last_error})"
+        out.print(f"{url}: {state}, {st.snapshots} snapshots")
+    if once and not any(st.up for st in status.values()):
+        raise typer.Exit(1)
+
+
+@collect_app.command("devices")
+def collect_devices(
+    ctx: typer.Context,
+    source: str = typer.Option(..., "--source", help="npu-smi | npu-exporter | dcgm | sim"),
+    node: str = typer.Option(..., "--node", help="node name"),
+    url: Optional[str] = typer.Option(None, "--url", help="exporter /metrics URL, or a URL/file with npu-smi output"),
+    interval: float = typer.Option(10.0, "--interval", min=0.1),
+    once: bool = typer.Option(False, "--once", help="read once, print the samples, exit"),
+    sim_devices: int = typer.Option(8, "--sim-devices", min=1, help="(sim) devices on the node"),
+    sim_kind: str = typer.Option("npu", "--sim-kind", help="(sim) npu or gpu"),
+    seed: int = typer.Option(0, "--seed", help="(sim) random seed"),
+    fault: list[str] = typer.Option([], "--fault", help="(sim) DEVICE:KIND@START[+DURATION], seconds from now"),
+) -> None:
+    """Read device telemetry in its real format and publish it."""
+    from prometheus_client import CollectorRegistry
+
+    from consumers import bus
+    from consumers.device_collector import DeviceCollector, make_reader
+
+    sim = _sim_node(node, sim_devices, sim_kind, seed, fault) if source == "sim" else None
+    try:
+        reader = make_reader(source, node, url, sim_node=sim)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    settings = _settings(ctx)
+
+    async def go():
+        nc = await bus.connect(settings.nats, name="infernex-device-collector")
+        try:
+            col = DeviceCollector(reader, nc.jetstream(), node=node, source=source,
+                                  subject_prefix=settings.nats.subject_prefix, registry=CollectorRegistry())
+            if once:
+                return col, await col.collect_once()
+            await col.run(_stop_event(), interval)
+            return col, []
+        finally:
+            await nc.drain()
+
+    col, samples = _run(go())
+    for s in samples:
+        print(json.dumps(s.model_dump(mode="json", exclude_none=True)), flush=True)
+    if col.last_error:
+        err.print(f"[red]{col.last_error}[/red]")
+        raise typer.Exit(1)
+
+
+_FAULT = re.compile(r"^(\d+):([a-z_]+)@(\d+(?:\.\d+)?)(?:\+(\d+(?:\.\d+)?))?$")
+
+
+def _sim_node(node: str, devices: int, kind: str, seed: int, faults: list[str], t0: float | None = None):
+    import time
+
+    from simulator.devices import SimulatedNode
+
+    try:
+        sim = SimulatedNode(node, devices, kind, seed=seed)  # type: ignore[arg-type]
+        start = time.time() if t0 is None else t0
+        for f in faults:
+            m = _FAULT.match(f)
+            if not m:
+                raise ValueError(f"fault {f!r} must look like 0:over_temperature@30+60")
+            dev, kindname, at, dur = m.groups()
+            sim.inject(dev, kindname, start + float(at), float(dur) if dur else None)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return sim
+
+
+def sim_devices(
+    node: list[str] = typer.Option(["node-0"], "--node", help="node name (repeatable)"),
+    devices: int = typer.Option(8, "--devices", min=1),
+    kind: str = typer.Option("npu", "--kind", help="npu or gpu"),
+    seed: int = typer.Option(0, "--seed"),
+    fault: list[str] = typer.Option([], "--fault", help="DEVICE:KIND@START[+DURATION] (first node), seconds from now"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(9400, "--port"),
+) -> None:
+    """Serve simulated NPU/GPU telemetry: /metrics (npu-exporter or DCGM), /npu-smi, /telemetry."""
+    import uvicorn
+
+    from simulator.devices import make_app
+
+    nodes = [_sim_node(n, devices, kind, seed + i, fault if i == 0 else []) for i, n in enumerate(node)]
+    out.print(f"simulated {kind} nodes {', '.join(node)} on http://{host}:{port}/metrics")
+    uvicorn.run(make_app(nodes), host=host, port=port, log_level="warning")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bridge_app, name="bridge")
+    app.add_typer(collect_app, name="collect")
+    app.command("sim-devices")(sim_devices)
