@@ -14,7 +14,12 @@ import yaml
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from consumers.indexer import IndexerConfig
+from consumers.sla_store import SlaConfig
+from router.config import RouterConfig
 from schemas.config import EmbeddedNatsConfig, NatsConfig, TopologyConfig
+from simulator.config import SimSettings
+from streams.diagnosis.rules import DiagnosisConfig
 
 
 class _YamlSource(PydanticBaseSettingsSource):
@@ -50,6 +55,11 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     data_dir: Path = Path(".infernex")
     api_key: SecretStr | None = None
+    sla: SlaConfig = Field(default_factory=SlaConfig)
+    indexer: IndexerConfig = Field(default_factory=IndexerConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)
+    sim: SimSettings = Field(default_factory=SimSettings)
 
     _yaml_path: Path | None = None
 

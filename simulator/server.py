@@ -1,0 +1,664 @@
+"""The HTTP face of one simulated engine: vLLM's OpenAI-compatible server around an
+:class:`~simulator.engine_core.EngineCore`, driven in scaled real time.
+
+Endpoints (as vLLM): ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE
+``data: ...`` / ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``POST /reset_prefix_cache``. Simulator extras: ``GET|POST /admin/faults`` (fault injection),
+``POST /internal/kv/pull`` (a consumer engine pulls a producer's pinned KV blocks).
+
+Time: virtual seconds = real seconds x ``time_scale``. Each scheduler step sleeps its modelled
+duration (scaled), then delivers its tokens, publishes its KV events (one ZMQ batch per step
+that changed the cache) and updates the metrics. Latency metrics are in virtual seconds.
+
+The server runs inside an existing asyncio loop (``await engine.start()``); several engines can
+share one loop (see :mod:`simulator.cluster`). Peers of the same process find each other through
+the ``peers`` mapping they were given; others through ``/internal/kv/pull``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import MutableMapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from simulator.config import EngineConfig, FaultConfig
+from simulator.engine_core import EngineCore, RemotePrefill, RequestOutput, StepResult, TransferError
+from simulator.kv_publisher import KvEventPublisher
+from simulator.tokenizer import load_tokenizer, prompt_to_ids
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return web.json_response(body, status=self.status)
+
+
+class EngineMetrics:
+    """vLLM's Prometheus metrics for one engine, in an injected registry."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str, block_size: int,
+                 num_gpu_blocks: int, enable_prefix_caching: bool):
+        labels = ["model_name", "engine"]
+        lv = {"model_name": model_name, "engine": engine}
+        r = registry
+
+        def g(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(**lv)
+
+        def c(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(**lv)
+
+        def h(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**lv)
+
+        self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.queries = c("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = c("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labels + ["finished_reason"], registry=r)
+        self._lv = lv
+        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                     LATENCY_BUCKETS)
+        self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                       LATENCY_BUCKETS)
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     ["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"], registry=r)
+        info.labels(block_size=str(block_size), num_gpu_blocks=str(num_gpu_blocks),
+                    enable_prefix_caching=str(enable_prefix_caching), engine=engine).set(1)
+        self._last = None
+
+    def update(self, core: EngineCore, res: StepResult | None) -> None:
+        st = core.stats
+        last = self._last
+        if last is not None:
+            self.queries.inc(st.prefix_cache_queries - last[0])
+            self.hits.inc(st.prefix_cache_hits - last[1])
+            self.prompt_tokens.inc(st.prompt_tokens - last[2])
+            self.generation_tokens.inc(st.generation_tokens - last[3])
+            self.preemptions.inc(st.preemptions - last[4])
+        self._last = (st.prefix_cache_queries, st.prefix_cache_hits, st.prompt_tokens, st.generation_tokens,
+                      st.preemptions)
+        self.running.set(core.num_running)
+        self.waiting.set(core.num_waiting)
+        self.kv_usage.set(core.kv_usage)
+        if res is not None:
+            for v in res.ttft:
+                self.ttft.observe(v)
+            for v in res.itl:
+                self.itl.observe(v)
+            for v in res.e2e:
+                self.e2e.observe(v)
+            for v in res.queue_time:
+                self.queue.observe(v)
+            for o in res.outputs:
+                if o.finished:
+                    self.success.labels(**self._lv, finished_reason=o.finish_reason or "length").inc()
+
+
+class _Killed(Exception):
+    """Fault injection: the engine 'died' while serving this request."""
+
+
+class SimEngine:
+    """One simulated vLLM engine: core + HTTP server + KV-event publisher + metrics."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kv_endpoint: str | None = "tcp://127.0.0.1:0",
+        replay_endpoint: str | None = "tcp://127.0.0.1:0",
+        kv_topic: str = "kv-events",
+        time_scale: float = 1.0,
+        registry: CollectorRegistry | None = None,
+        peers: MutableMapping[str, "SimEngine"] | None = None,
+        default_chat_max_tokens: int = 256,
+        kv_array_like: bool = False,
+    ):
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.config = config
+        self.host, self._port = host, port
+        self.time_scale = time_scale
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.peers = peers if peers is not None else {}
+        self.tokenizer = load_tokenizer(config.tokenizer, config.vocab_size or config.model.vocab_size)
+        self.core = self._new_core()
+        self.metrics = EngineMetrics(self.registry, config.served_model_name, config.engine_id,
+                                     config.block_size, self.core.num_blocks, config.enable_prefix_caching)
+        self.faults = config.faults
+        self.core.slow_factor = self.faults.slow_factor
+        self._rng = random.Random(self.faults.seed)
+        self._kv_args = (kv_endpoint, replay_endpoint, kv_topic, kv_array_like)
+        self.publisher: KvEventPublisher | None = None
+        self.default_chat_max_tokens = default_chat_max_tokens
+        self._streams: dict[str, asyncio.Queue[RequestOutput | None]] = {}
+        self._wake = asyncio.Event()
+        self._t0 = time.monotonic()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._driver: asyncio.Task | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._stopping = False
+        self._drop_batches = 0
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _new_core(self) -> EngineCore:
+        return EngineCore(self.config, vocab_size=self.tokenizer.vocab_size)
+
+    @property
+    def engine_id(self) -> str:
+        return self.config.engine_id
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self._port}"
+
+    @property
+    def kv_endpoint(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+    def vnow(self) -> float:
+        return (time.monotonic() - self._t0) * self.time_scale
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._fault_middleware], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.router.add_get("/admin/faults", self._get_faults)
+        app.router.add_post("/admin/faults", self._set_faults)
+        app.router.add_post("/internal/kv/pull", self._kv_pull)
+        return app
+
+    async def start(self) -> "SimEngine":
+        kv_endpoint, replay_endpoint, topic, array_like = self._kv_args
+        if kv_endpoint is not None and self.config.emit_kv_events:
+            self.publisher = KvEventPublisher(kv_endpoint, replay_endpoint, topic=topic, array_like=array_like)
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await self._listen()
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        self._driver = asyncio.create_task(self._drive(), name=f"sim-driver-{self.engine_id}")
+        self.peers[self.engine_id] = self
+        if self.faults.refuse_connections:
+            await self._stop_listening()
+        return self
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        self._site = web.TCPSite(self._runner, self.host, self._port, reuse_address=True)
+        await self._site.start()
+        server = self._site._server  # noqa: SLF001 - the bound port when asked for port 0
+        if server is not None and server.sockets:
+            self._port = server.sockets[0].getsockname()[1]
+
+    async def _stop_listening(self) -> None:
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self.peers.get(self.engine_id) is self:
+            del self.peers[self.engine_id]
+        if self._driver is not None:
+            self._driver.cancel()
+            try:
+                await self._driver
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        for q in self._streams.values():
+            q.put_nowait(None)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._client is not None:
+            await self._client.close()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def restart(self) -> None:
+        """Behave like a restarted engine: empty cache, requests dropped, KV sequence back to 0."""
+        for q in self._streams.values():
+            q.put_nowait(None)
+        self._streams.clear()
+        self.core = self._new_core()
+        self.core.slow_factor = self.faults.slow_factor
+        self.metrics._last = None
+        if self.publisher is not None:
+            self.publisher.reset_sequence()
+
+    async def set_faults(self, faults: FaultConfig) -> None:
+        was_refusing = self.faults.refuse_connections
+        self.faults = faults
+        self.core.slow_factor = faults.slow_factor
+        self._rng = random.Random(faults.seed)
+        if faults.refuse_connections and not was_refusing:
+            await self._stop_listening()
+        elif was_refusing and not faults.refuse_connections and self._site is None and not self._stopping:
+            await self._listen()
+
+    # ------------------------------------------------------------------ driver
+
+    async def _drive(self) -> None:
+        while not self._stopping:
+            try:
+                await self._drive_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a model bug must not hang every client
+                log.exception("engine %s: scheduler step failed; failing its requests", self.engine_id)
+                for q in self._streams.values():
+                    q.put_nowait(None)
+                self._streams.clear()
+                self.core = self._new_core()
+                self.core.slow_factor = self.faults.slow_factor
+
+    async def _drive_once(self) -> None:
+        """One scheduler step in scaled real time (or a wait when there is nothing to do)."""
+        scale = self.time_scale
+        core = self.core
+        if not core.has_work:
+            self._flush_events(core.take_pending_events())
+            self.metrics.update(core, None)
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        vnow = self.vnow()
+        res = core.step(vnow)
+        if res.idle:
+            self._flush_events(res.events)
+            self.metrics.update(core, res)
+            self._wake.clear()
+            delay = 0.05 if res.next_wakeup is None else max(0.0, (res.next_wakeup - vnow) / scale)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+            return
+        delay = self._t0 + res.end / scale - time.monotonic()
+        await asyncio.sleep(delay if delay > 0 else 0)
+        if core is not self.core:
+            return  # restarted while this step was "running"
+        self._flush_events(res.events)
+        self.metrics.update(core, res)
+        for out in res.outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _flush_events(self, events: list) -> None:
+        if events and self.publisher is not None:
+            drop = self._drop_batches > 0
+            if drop:
+                self._drop_batches -= 1
+            self.publisher.publish(events, drop=drop)
+
+    def drop_kv_batches(self, n: int) -> None:
+        """Lose the next ``n`` KV-event frames on the way (kept for replay): a sequence gap."""
+        self._drop_batches = n
+
+    def _submit(self, rid: str, prompt_ids: list[int], max_tokens: int, *, cache_salt: str | None,
+                do_remote_decode: bool, remote: RemotePrefill | None) -> asyncio.Queue:
+        q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        try:
+            self.core.add_request(rid, prompt_ids, max_tokens, self.vnow(), cache_salt=cache_salt,
+                                  do_remote_decode=do_remote_decode, remote_prefill=remote)
+        except TransferError as exc:
+            raise ApiError(400, str(exc)) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        self._streams[rid] = q
+        self._wake.set()
+        return q
+
+    def _abort(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        self.core.abort_request(rid)
+
+    # ------------------------------------------------------------------ faults
+
+    @web.middleware
+    async def _fault_middleware(self, request: web.Request, handler):  # noqa: ANN001
+        f = self.faults
+        if f.refuse_connections and not request.path.startswith("/admin/"):
+            if request.transport is not None:
+                request.transport.close()  # existing keep-alive connections die too
+            raise web.HTTPServiceUnavailable()
+        if f.error_rate > 0 and request.path.startswith("/v1/") and request.method == "POST":
+            if self._rng.random() < f.error_rate:
+                return ApiError(500, "injected fault: internal server error", "InternalServerError").response()
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.model_dump())
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        try:
+            faults = FaultConfig.model_validate({**self.faults.model_dump(), **body})
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid faults: {exc.errors(include_url=False)}") from None
+        await self.set_faults(faults)
+        return web.json_response(faults.model_dump())
+
+    # ------------------------------------------------------------------ simple endpoints
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics.update(self.core, None)
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        name = self.config.served_model_name
+        return web.json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "vllm", "root": name,
+            "parent": None, "max_model_len": self.config.max_model_len,
+        }]})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        ok = self.core.reset_prefix_cache()
+        self._flush_events(self.core.take_pending_events())
+        if not ok:
+            raise ApiError(409, "prefix cache reset refused: KV blocks are in use", "ConflictError")
+        return web.Response(status=200)
+
+    async def _kv_pull(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        tid = body.get("remote_request_id")
+        if not isinstance(tid, str):
+            raise ApiError(400, "remote_request_id is required")
+        try:
+            t = self.take_transfer(tid, body.get("num_tokens"), body.get("remote_block_ids"),
+                                   body.get("prompt_digest"))
+        except TransferError as exc:
+            raise ApiError(404, str(exc), "NotFoundError") from None
+        return web.json_response({"engine_id": self.engine_id, "num_tokens": t.num_tokens,
+                                  "block_ids": t.block_ids})
+
+    def take_transfer(self, transfer_id: str, num_tokens: Any, block_ids: Any, prompt_digest: Any = None):
+        if self.config.role not in ("kv_producer", "kv_both"):
+            raise TransferError(f"engine {self.engine_id} is not a KV producer")
+        t = self.core.transfers.get(transfer_id)
+        if t is not None and block_ids is not None and list(block_ids) != t.block_ids:
+            raise TransferError(f"remote_block_ids do not match KV transfer {transfer_id!r}")
+        return self.core.take_transfer(transfer_id, self.vnow(),
+                                       num_tokens=num_tokens if isinstance(num_tokens, int) else None,
+                                       prompt_digest=prompt_digest if isinstance(prompt_digest, int) else None)
+
+    # ------------------------------------------------------------------ PD
+
+    def _kv_params_out(self, out: RequestOutput) -> dict | None:
+        t = out.kv_transfer
+        if t is None:
+            return None
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": t.block_ids,
+            "remote_engine_id": self.engine_id, "remote_request_id": t.transfer_id,
+            "remote_host": self.host, "remote_port": self._port, "tp_size": self.config.tensor_parallel_size,
+            "num_prompt_blocks": len(t.block_ids), "remote_block_size": self.config.block_size,
+        }
+
+    async def _pull_remote(self, params: dict, prompt_ids: list[int]) -> RemotePrefill:
+        role = self.config.role
+        if role not in ("kv_consumer", "kv_both"):
+            raise ApiError(400, f"engine role {role} cannot take kv_transfer_params with do_remote_prefill")
+        engine_id, tid = params.get("remote_engine_id"), params.get("remote_request_id")
+        if not isinstance(engine_id, str) or not isinstance(tid, str):
+            raise ApiError(400, "kv_transfer_params need remote_engine_id and remote_request_id")
+        block_ids = params.get("remote_block_ids")
+        if params.get("remote_block_size", self.config.block_size) != self.config.block_size:
+            raise ApiError(400, "remote block size differs from this engine's block size")
+        peer = self.peers.get(engine_id)
+        if peer is not None:
+            try:
+                t = peer.take_transfer(tid, len(prompt_ids), block_ids, EngineCore.prompt_digest(prompt_ids))
+            except TransferError as exc:
+                raise ApiError(400, f"KV transfer failed: {exc}") from None
+            return RemotePrefill(engine_id, t.num_tokens)
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            raise ApiError(400, f"unknown remote engine {engine_id!r} and no remote_host/remote_port to reach it")
+        assert self._client is not None
+        try:
+            async with self._client.post(f"http://{host}:{port}/internal/kv/pull", json={
+                "remote_request_id": tid, "num_tokens": len(prompt_ids), "remote_block_ids": block_ids,
+                "prompt_digest": EngineCore.prompt_digest(prompt_ids),
+            }) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    msg = (data or {}).get("error", {}).get("message", f"HTTP {resp.status}")
+                    raise ApiError(400, f"KV transfer failed: {msg}")
+        except aiohttp.ClientError as exc:
+            raise ApiError(400, f"KV transfer failed: cannot reach {host}:{port}: {exc}") from None
+        return RemotePrefill(engine_id, int(data["num_tokens"]))
+
+    # ------------------------------------------------------------------ generation
+
+    async def _prepare(self, body: dict, prompt_ids: list[int], default_max: int) -> tuple[str, asyncio.Queue, dict]:
+        if body.get("model") not in (None, self.config.served_model_name):
+            raise ApiError(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "only n=1 is supported by the simulator", param="n")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = min(default_max, max(1, self.config.max_model_len - len(prompt_ids)))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
+        params = body.get("kv_transfer_params") or {}
+        if not isinstance(params, dict):
+            raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+        do_remote_decode = bool(params.get("do_remote_decode"))
+        remote = None
+        if do_remote_decode:
+            if self.config.role not in ("kv_producer", "kv_both"):
+                raise ApiError(400, f"engine role {self.config.role} cannot serve do_remote_decode requests")
+            max_tokens = 1
+        if params.get("do_remote_prefill"):
+            remote = await self._pull_remote(params, prompt_ids)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError(400, "cache_salt must be a string", param="cache_salt")
+        rid = str(body.get("_request_id"))
+        q = self._submit(rid, prompt_ids, max_tokens, cache_salt=salt, do_remote_decode=do_remote_decode,
+                         remote=remote)
+        return rid, q, params
+
+    async def _tokens(self, rid: str, q: asyncio.Queue):
+        """Yield outputs of one request; enforces the die-mid-stream fault."""
+        sent = 0
+        while True:
+            out = await q.get()
+            if out is None:
+                raise ApiError(500, "the engine aborted the request (stopped, restarted or failed)",
+                               "InternalServerError")
+            die = self.faults.die_after_tokens
+            if die is not None and sent + len(out.new_token_ids) > die:
+                raise _Killed(f"injected fault: died after {sent} tokens")
+            sent += len(out.new_token_ids)
+            yield out
+            if out.finished:
+                return
+
+    def _text(self, ids: list[int], first: bool) -> str:
+        text = self.tokenizer.decode(ids)
+        return text if first else " " + text
+
+    async def _generate(self, request: web.Request, body: dict, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
+        body["_request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid, q, _ = await self._prepare(body, prompt_ids, self.default_chat_max_tokens if chat else 16)
+        created = int(time.time())
+        model = self.config.served_model_name
+        public_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        stream = bool(body.get("stream"))
+        opts = body.get("stream_options") or {}
+        include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+        obj = "chat.completion" if chat else "text_completion"
+        finished = False
+        try:
+            if not stream:
+                pieces: list[str] = []
+                last = None
+                async for out in self._tokens(rid, q):
+                    pieces.append(self._text(out.new_token_ids, not pieces))
+                    last = out
+                finished = True
+                assert last is not None
+                text = "".join(pieces)
+                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason,
+                                          "stop_reason": None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+                else:
+                    choice["text"] = text
+                    choice["prompt_logprobs"] = None
+                return web.json_response({
+                    "id": public_id, "object": obj, "created": created, "model": model, "choices": [choice],
+                    "usage": _usage(last), "kv_transfer_params": self._kv_params_out(last),
+                })
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+            async def send(payload: dict) -> None:
+                await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+            def chunk(choice: dict) -> dict:
+                return {"id": public_id, "object": chunk_obj, "created": created, "model": model,
+                        "choices": [choice]}
+
+            if chat:
+                await send(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}))
+            first = True
+            last = None
+            try:
+                async for out in self._tokens(rid, q):
+                    text = self._text(out.new_token_ids, first)
+                    first = False
+                    last = out
+                    if chat:
+                        c = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                             "finish_reason": out.finish_reason if out.finished else None}
+                    else:
+                        c = {"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
+                    payload = chunk(c)
+                    if out.finished and out.kv_transfer is not None:
+                        payload["kv_transfer_params"] = self._kv_params_out(out)
+                    await send(payload)
+                finished = True
+            except (_Killed, ApiError):  # headers are out: all a dying engine can do is hang up
+                _drop_connection(request)
+                return resp
+            if include_usage and last is not None:
+                await send({"id": public_id, "object": chunk_obj, "created": created, "model": model,
+                            "choices": [], "usage": _usage(last)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except _Killed:
+            _drop_connection(request)
+            return web.Response(status=500)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        finally:
+            if not finished:
+                self._abort(rid)
+            else:
+                self._streams.pop(rid, None)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        try:
+            prompt_ids = prompt_to_ids(self.tokenizer, body.get("prompt"), body.get("prompt_token_ids"))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt") from None
+        return await self._generate(request, body, prompt_ids, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        try:
+            prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        if not prompt_ids:
+            raise ApiError(400, "the chat prompt is empty", param="messages")
+        return await self._generate(request, body, prompt_ids, chat=True)
+
+
+def _usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "completion_tokens": out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _drop_connection(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort() if hasattr(request.transport, "abort") else request.transport.close()
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
