@@ -265,7 +265,9 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
             continue
         now, pod = heapq.heappop(heap)
         e = engines[pod]
-        step = e.core.step(now)
+        # decode-only stretches run in one call up to the next moment anything else can happen
+        horizon = min(next_arrival, heap[0][0] if heap else math.inf)
+        step = e.core.step(now, None if horizon == math.inf else horizon)
         if step.idle:
             e.free_at = math.inf
             if step.next_wakeup is not None and e.core.has_work:
@@ -291,16 +293,18 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
                 d.active_tokens += len(req.tokens) + req.out_tokens
                 wake(d, end)
                 continue
+            t_out = out.time or end
             if out.new_token_ids:
-                if req.first is None:
-                    req.first = end
-                else:
-                    n_new = len(out.new_token_ids)
-                    req.itl.extend([(end - req.last) / n_new] * n_new)
-                req.last = end
+                n_new = len(out.new_token_ids)
+                if req.first is None:  # a first token always comes from a prefill step, alone
+                    req.first = t_out
+                    n_new -= 1
+                if n_new > 0:
+                    req.itl.extend([(t_out - (req.last or req.first)) / n_new] * n_new)
+                req.last = t_out
                 req.produced = out.num_output_tokens
             if out.finished:
-                req.end = end
+                req.end = t_out
                 req.cached = out.num_cached_tokens
                 e.inflight -= 1
                 e.active_tokens -= len(req.tokens) + req.out_tokens
