@@ -5,6 +5,18 @@ two-stage proxy, backend discovery, resilience (retries, migration, circuit brea
 drain) and the request records it publishes.
 
 May import: :mod:`schemas`, :mod:`streams` (it embeds folds such as the KV index and
-load state) and :mod:`consumers.bus` for publishing and subscribing. Strategy plugins
-are pure: they read state snapshots passed in and never do I/O.
+load state), :mod:`consumers.bus` for publishing and subscribing, and the simulator's
+tokenizers. Strategy plugins are pure: they read state snapshots passed in and never do I/O.
+
+Map
+    ``types``      BackendState, RoutingRequest, Decision (plain data)
+    ``plugins/``   filters, scorers, pickers, profile handlers; registry type name -> class
+    ``profiles``   strategy YAML (GIE EndpointPickerConfig style) -> Strategy; built-ins in ``strategies/``
+    ``core``       ``Router.decide(request, backends, index_view, now)``: pure, no asyncio
+    ``state``      ClusterState: discovery sources + load/health folds + in-flight counters
+    ``server``     aiohttp service: forwarding, SSE pass-through, PD, retries, migration, drain, auth
+    ``feeds``      NATS inputs (announcements, metrics, diagnoses, KV events) -> state / KvIndex
+    ``records``    RoutingDecision / RequestRecord publisher (bounded, drops counted)
+    ``discovery``  Kubernetes pods by label selector (list + watch)
+    ``app``        wiring used by ``infernex router``; ``testing`` a fake engine for tests
 """

@@ -1,0 +1,238 @@
+"""hermes-router bench: added latency over calling a backend directly, throughput with 64
+concurrent clients, and the time of one routing decision.
+
+    /work/venv/bin/python bench/router.py [--backends 64] [--requests 2000] [--concurrency 64]
+
+Fake engines (router.testing, 64 in one process) and the router (``infernex router --no-bus``) each
+run in their own process; this process is the client. Added latency = router p50/p99 minus direct
+p50/p99 over the same sequential small non-streamed requests. The decision time is measured
+in-process: ``Router.decide`` for kv-aware over 64 backends with an embedded KvIndex holding
+prefixes on every pod (512-token prompts, the index lookup included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+async def wait_http(url, timeout=30.0):
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            try:
+                async with s.get(url) as r:
+                    if r.status < 500:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def wait_post(url, timeout=60.0):
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            try:
+                async with s.post(url + "/v1/completions", json=BODY) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not serve a completion within {timeout:.0f} s")
+
+
+BODY = {"model": "m", "prompt": "hello bench", "max_tokens": 2}
+
+
+async def sequential(urls, n):
+    lat = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for i in range(n):
+            u = urls[i % len(urls)]
+            t = time.perf_counter()
+            async with s.post(u + "/v1/completions", json=BODY) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            lat.append(time.perf_counter() - t)
+    return lat
+
+
+async def concurrent(url, clients, total):
+    done = 0
+    errors = 0
+
+    async def worker(s):
+        nonlocal done, errors
+        while done + errors < total:
+            done += 1
+            async with s.post(url + "/v1/completions", json=BODY) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(s) for _ in range(clients)))
+        dt = time.perf_counter() - t
+    return total / dt, errors
+
+
+def decision_time(backends=64, reps=3000):
+    from router.core import Router, overlaps_from_index
+    from router.types import BackendState, RoutingRequest
+    from schemas import BlockStored, KvEventBatch
+    from streams.clock import SystemClock
+    from streams.kv_index import KvIndex
+
+    rnd = random.Random(1)
+    idx = KvIndex(SystemClock())
+    prompts = [[rnd.randrange(16, 30000) for _ in range(512)] for _ in range(32)]
+    for i in range(backends):
+        p = prompts[i % len(prompts)]
+        nb = rnd.randint(4, 32)
+        idx.apply(KvEventBatch(pod=f"p{i}", model="m", seq=0, ts=time.time(), events=[
+            BlockStored(block_hashes=list(range(1, nb + 1)), token_ids=p[:nb * 16], block_size=16)]))
+    bs = [BackendState(pod=f"p{i}", url="http://x", model="m", waiting=rnd.random() * 4,
+                       kv_usage=rnd.random() * 0.6, active_tokens=rnd.randint(0, 4000)) for i in range(backends)]
+    out = {}
+    for name in ("kv-aware", "round-robin", "dynamo-cost", "pd-kv-aware"):
+        r = Router(name, seed=1)
+        if name.startswith("pd-"):
+            for i, b in enumerate(bs):
+                b.role, b.group = ("prefill" if i % 2 == 0 else "decode"), f"g{i // 8}"
+        reqs = [RoutingRequest(model="m", token_ids=p, prompt_tokens=len(p)) for p in prompts]
+        ovs = [overlaps_from_index(idx, q, False) for q in reqs]
+        ts, only = [], []
+        for k in range(reps):
+            t = time.perf_counter()
+            r.decide(reqs[k % len(reqs)], bs, idx)
+            t1 = time.perf_counter()
+            r.decide(reqs[k % len(reqs)], bs, overlap=ovs[k % len(reqs)])
+            ts.append(t1 - t)
+            only.append(time.perf_counter() - t1)
+        out[name] = (statistics.median(ts) * 1e6, pct(ts, 99) * 1e6, statistics.median(only) * 1e6,
+                     pct(only, 99) * 1e6)
+        for b in bs:
+            b.role, b.group = "aggregated", None
+    return out
+
+
+async def main_async(args):
+    eng = subprocess.Popen([PY, "-m", "router.testing", str(args.backends), "2"], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    procs = [eng]
+    try:
+        urls = eng.stdout.readline().split()
+        assert len(urls) == args.backends
+        await wait_http(urls[0] + "/health")
+        contenders = []
+        for strategy in ("round-robin", "kv-aware"):
+            port = free_port()
+            cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
+            for i, u in enumerate(urls):
+                cmd += ["-b", f"fake-{i}={u}@m"]
+            contenders.append((f"infernex {strategy}", cmd, port))
+        for mod, label in (("sglang_router", "sglang-router"), ("vllm_router", "vllm-router")):
+            if importlib.util.find_spec(mod) is None:
+                print(f"{label}: not installed (optional), skipped")
+                continue
+            for policy in ("round_robin", "cache_aware"):
+                port = free_port()
+                cmd = [PY, "-m", f"{mod}.launch_router", "--worker-urls", *urls, "--policy", policy,
+                       "--port", str(port), "--prometheus-port", str(free_port()),
+                       "--log-level", "warn" if mod == "sglang_router" else "warning"]
+                contenders.append((f"{label} {policy}", cmd, port))
+        live = []
+        for label, cmd, port in contenders:
+            rp = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(rp)
+            rurl = f"http://127.0.0.1:{port}"
+            try:
+                await wait_post(rurl)
+            except RuntimeError as exc:
+                print(f"{label}: {exc}")
+                rp.kill()
+                continue
+            live.append((label, rurl))
+        # Interleaved: each round sends one request directly and one through every router, so all
+        # of them see the same machine load (this machine is shared).
+        targets = [("direct", None)] + live
+        lat = {name: [] for name, _ in targets}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            for rnd in range(args.requests + 100):
+                order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+                for name, u in order:
+                    u = u or urls[rnd % len(urls)]
+                    t = time.perf_counter()
+                    async with s.post(u + "/v1/completions", json=BODY) as r:
+                        await r.read()
+                        assert r.status == 200, (name, r.status)
+                    if rnd >= 100:  # warm-up rounds not counted
+                        lat[name].append(time.perf_counter() - t)
+        d50, d99 = pct(lat["direct"], 50), pct(lat["direct"], 99)
+        print(f"direct: p50 {d50 * 1e3:.3f} ms  p99 {d99 * 1e3:.3f} ms  ({args.requests} sequential requests, "
+              f"interleaved with the routers)")
+        for label, rurl in live:
+            r50, r99 = pct(lat[label], 50), pct(lat[label], 99)
+            rps, errs = await concurrent(rurl, args.concurrency, args.requests)
+            print(f"{label:<26} p50 {r50 * 1e3:.3f} ms  p99 {r99 * 1e3:.3f} ms | added p50 "
+                  f"{(r50 - d50) * 1e3:.3f} ms  p99 {(r99 - d99) * 1e3:.3f} ms | {args.concurrency} clients: "
+                  f"{rps:,.0f} req/s ({errs} errors)")
+        drps, _ = await concurrent(urls[0], args.concurrency, args.requests)
+        print(f"direct to one backend, {args.concurrency} clients: {drps:,.0f} req/s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--skip-http", action="store_true")
+    args = ap.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    for name, (p50, p99, o50, o99) in decision_time(args.backends).items():
+        print(f"decide {name:<12} over {args.backends} backends: with index lookup p50 {p50:.1f} us "
+              f"p99 {p99:.1f} us | decision alone p50 {o50:.1f} us  p99 {o99:.1f} us")
+    if not args.skip_http:
+        asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main()

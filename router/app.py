@@ -1,0 +1,78 @@
+"""Wiring: the service with its state, embedded KV index, bus feeds, record publisher and
+Kubernetes discovery. Used by ``infernex router`` and by tests."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from router.config import RouterConfig
+from router.server import RouterService
+from router.state import ClusterState
+from schemas.config import NatsConfig
+from streams.clock import Clock, SystemClock
+
+log = logging.getLogger(__name__)
+
+
+class RouterApp:
+    def __init__(self, cfg: RouterConfig, nats: NatsConfig | None = None, *,
+                 registry: CollectorRegistry | None = None, clock: Clock | None = None):
+        from streams.kv_index import KvIndex
+
+        self.cfg = cfg
+        self.nats = nats
+        self.registry = registry or CollectorRegistry()
+        self.clock = clock or SystemClock()
+        self.state = ClusterState(cfg, clock=self.clock)
+        self.index = KvIndex(self.clock, default_block_size=cfg.block_size)
+        self.nc = None
+        self.feeds = None
+        self.records = None
+        self.kube = None
+        self.service: RouterService | None = None
+
+    async def start(self, host: str | None = None, port: int | None = None) -> str:
+        prefix = self.nats.subject_prefix if self.nats else None
+        if self.cfg.bus and self.nats is not None:
+            from consumers import bus
+            from router.feeds import BusFeeds
+            from router.records import BusRecordSink
+
+            self.nc = await bus.connect(self.nats, name="infernex-router")
+            self.feeds = BusFeeds(self.nc, self.state, prefix=prefix, index=self.index, registry=self.registry)
+            await self.feeds.start()
+            if self.cfg.records:
+                self.records = BusRecordSink(self.nc.jetstream(), self.cfg.pool, buffer=self.cfg.records_buffer,
+                                             prefix=prefix, registry=self.registry)
+                self.records.start()
+        if self.cfg.kubernetes.enabled:
+            from router.discovery import KubeDiscovery
+
+            self.kube = KubeDiscovery(self.cfg.kubernetes, self.state, pool=self.cfg.pool)
+            await self.kube.start()
+        self.service = RouterService(self.cfg, state=self.state, index=self.index, registry=self.registry,
+                                     records=self.records)
+        return await self.service.start(host, port)
+
+    async def stop(self, drain: bool = True) -> bool:
+        """Drain in-flight requests (if asked), then stop everything; True if the drain completed."""
+        drained = True
+        if self.service is not None:
+            if drain:
+                drained = await self.service.drain()
+            await self.service.stop()
+        if self.kube is not None:
+            await self.kube.stop()
+        if self.records is not None:
+            await self.records.flush(timeout=3.0)
+            await self.records.stop()
+        if self.feeds is not None:
+            await self.feeds.stop()
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:  # noqa: BLE001 - shutting down
+                await self.nc.close()
+        return drained

@@ -1,0 +1,92 @@
+"""The router's settings section (``router:`` in the settings file, ``INFERNEX_ROUTER__...``).
+
+Example::
+
+    router:
+      pool: default
+      strategy: kv-aware            # or pd-kv-aware, round-robin, ... or a strategy YAML file
+      port: 8080
+      tokenizer: simple             # or /models/qwen3/tokenizer.json (must match the engines)
+      backends:                     # static; engines announced on NATS and Kubernetes pods join them
+        - {pod: p0, url: "http://10.0.0.5:8000", model: Qwen/Qwen3-8B, role: prefill, group: g1}
+        - {pod: d0, url: "http://10.0.0.6:8000", model: Qwen/Qwen3-8B, role: decode, group: g1}
+      kubernetes: {enabled: true, namespace: ai-inference, label_selector: "openfuyao.com/engine=vllm"}
+      api_keys_file: /etc/infernex/keys   # one key per line; admin_key for /v1/router/*
+      rate_limit_rps: 20
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class _S(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StaticBackend(_S):
+    pod: str = Field(min_length=1)
+    url: str = Field(min_length=1, description="base URL of the engine's OpenAI server")
+    model: str = Field(min_length=1)
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    group: str | None = None
+    loras: list[str] = Field(default_factory=list)
+    node: str | None = None
+
+
+class KubernetesDiscovery(_S):
+    enabled: bool = False
+    namespace: str = "default"
+    label_selector: str = "openfuyao.com/engine=vllm"
+    port: int = Field(default=8000, gt=0, le=65535)
+    model_label: str = "openfuyao.com/model"
+    role_labels: list[str] = Field(default_factory=lambda: ["openfuyao.com/pdRole", "llm-d.ai/role"])
+    group_label: str = "openfuyao.com/pdGroupID"
+    default_model: str | None = None
+
+
+class RouterConfig(_S):
+    pool: str = "default"
+    strategy: str = Field(default="kv-aware", description="built-in strategy name or a strategy YAML file")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    backends: list[StaticBackend] = Field(default_factory=list)
+    kubernetes: KubernetesDiscovery = Field(default_factory=KubernetesDiscovery)
+    bus: bool = Field(default=True, description="discovery, load, health and KV state from NATS")
+    tokenizer: str | None = Field(default="simple", description="'simple', a tokenizer.json path, or null")
+    tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
+    block_size: int = Field(default=16, gt=0)
+    seed: int | None = None
+    # resilience
+    max_retries: int = Field(default=2, ge=0)
+    max_migrations: int = Field(default=2, ge=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    read_timeout_s: float = Field(default=300.0, gt=0, description="longest silence from a backend")
+    retry_after_s: int = Field(default=1, ge=1)
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_cooldown_s: float = Field(default=10.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    metrics_stale_s: float = Field(default=30.0, gt=0)
+    # security
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys_file: Path | None = Field(default=None, description="one key per line")
+    admin_key: SecretStr | None = None
+    rate_limit_rps: float | None = Field(default=None, gt=0, description="per API key")
+    rate_limit_burst: int = Field(default=20, ge=1)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # records
+    records: bool = True
+    records_buffer: int = Field(default=10_000, gt=0)
+
+    def load_api_keys(self) -> list[str]:
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_keys_file is not None:
+            try:
+                text = self.api_keys_file.read_text()
+            except OSError as exc:
+                raise ValueError(f"api_keys_file {self.api_keys_file}: {exc.strerror}") from None
+            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        return keys

@@ -1,0 +1,151 @@
+"""The routing decision: pure, synchronous, no I/O. Callable from HTTP and from simulations.
+
+``Router.decide(request, backends, index_view, now)`` runs the strategy's profiles over the
+backend snapshots and returns a :class:`router.types.Decision` with every candidate's scores.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+from router.plugins.base import Ctx
+from router.profiles import Profile, Strategy, load_strategy
+from router.types import BackendState, Decision, RoutingRequest, StageResult
+
+_EMPTY_STATUS = {"model-filter": "no_model", "not-busy-filter": "busy"}
+
+
+def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool) -> dict[str, int]:
+    """Prefix blocks cached per pod, from a KvIndex-like view (PodMatch objects or plain ints)."""
+    if index_view is None:
+        return {}
+    if req.token_ids is not None and len(req.token_ids) > 0:
+        matches = index_view.match_tokens(req.model, req.token_ids)
+    elif req.keys and hasattr(index_view, "match_keys"):
+        matches = index_view.match_keys(req.model, req.keys)
+    else:
+        return {}
+    out: dict[str, int] = {}
+    for pod, m in matches.items():
+        if isinstance(m, int):
+            out[pod] = m
+            continue
+        n = int(getattr(m, "matched_blocks", 0) or 0)  # exact and predicted blocks
+        if not approximate:
+            n -= int(getattr(m, "predicted_blocks", 0) or 0)
+        if n:
+            out[pod] = n
+    return out
+
+
+class Router:
+    """A strategy plus the little state its pickers keep (round-robin position, random seed)."""
+
+    def __init__(self, strategy: Strategy | str, *, seed: int | None = None, default_block_size: int = 16):
+        self.strategy = load_strategy(strategy) if isinstance(strategy, str) else strategy
+        self.rng = random.Random(seed)
+        self.default_block_size = default_block_size
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+    def block_size(self, index_view: Any, model: str) -> int:
+        if index_view is not None and hasattr(index_view, "block_size"):
+            try:
+                bs = index_view.block_size(model)
+            except (KeyError, ValueError):
+                bs = None
+            if bs:
+                return int(bs)
+        return self.default_block_size
+
+    def decide(self, request: RoutingRequest, backends: Sequence[BackendState], index_view: Any = None,
+               now: float = 0.0, *, overlap: dict[str, int] | None = None) -> Decision:
+        st = self.strategy
+        bs = self.block_size(index_view, request.model)
+        if overlap is None:
+            overlap = overlaps_from_index(index_view, request, st.approximate) if st.needs_overlap else {}
+        nblocks = len(request.keys) if (request.token_ids is None and request.keys) else request.prompt_tokens // bs
+        ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, rng=self.rng, now=now,
+                  prompt_tokens=request.prompt_tokens)
+        cands = list(backends)
+        model = request.model
+        best = 0
+        if overlap:
+            pods = {b.pod for b in cands if b.model == model}
+            best = max((v for p, v in overlap.items() if p in pods), default=0)
+        dec = Decision(profile=st.name, status="ok", request_blocks=nblocks, block_size=bs,
+                       best_overlap_blocks=best)
+        if not st.pd:
+            prof = next(iter(st.profiles.values()))
+            res, status = self._stage(prof, "aggregated", request, cands, ctx)
+            dec.stages.append(res)
+            dec.status, dec.target = status, res.picked
+            if res.picked is not None:
+                dec.chosen_overlap_blocks = overlap.get(res.picked.pod, 0)
+            return dec
+        params = st.handler.params
+        ctx.stage = "prefill"
+        pre, status = self._stage(st.profiles["prefill"], "prefill", request, cands, ctx)
+        dec.stages.append(pre)
+        if pre.picked is None:
+            dec.status = status
+            return dec
+        ctx.stage = "decode"
+        ctx.group = pre.picked.group if params.same_group else None
+        dcd, status = self._stage(st.profiles["decode"], "decode", request, cands, ctx)
+        dec.stages.append(dcd)
+        if dcd.picked is None:
+            dec.status = status
+            return dec
+        dec.target = dcd.picked
+        d_ov = overlap.get(dcd.picked.pod, 0)
+        uncached = max(request.prompt_tokens - d_ov * bs, 0)
+        if uncached <= params.threshold_tokens and request.prompt_tokens > 0 and params.threshold_tokens > 0:
+            dec.prefill = None
+            dec.chosen_overlap_blocks = d_ov
+            dec.note = (f"decode {dcd.picked.pod} already holds all but {uncached} prompt tokens "
+                        f"(threshold {params.threshold_tokens}): remote prefill skipped; ")
+        else:
+            dec.prefill = pre.picked
+            dec.chosen_overlap_blocks = overlap.get(pre.picked.pod, 0)
+        return dec
+
+    @staticmethod
+    def _stage(prof: Profile, stage: str, req: RoutingRequest, cands: list[BackendState],
+               ctx: Ctx) -> tuple[StageResult, str]:
+        filtered: dict[str, str] = {}
+        for f in prof.filters:
+            kept = f.apply(req, cands, ctx)
+            if len(kept) != len(cands):
+                keep = {id(b) for b in kept}
+                for b in cands:
+                    if id(b) not in keep:
+                        filtered[b.pod] = f.name
+                cands = kept
+            if not cands:
+                status = _EMPTY_STATUS.get(f.type_name, "no_backend")
+                why = {"no_model": f"no backend serves model {req.model!r}",
+                       "busy": "all backends are busy"}.get(status, f"no backend left after filter {f.name!r}")
+                return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, why), status
+        if not cands:
+            return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, "no backends known"), "no_backend"
+        n = len(cands)
+        totals = [0.0] * n
+        columns: dict[str, list[float]] = {}
+        for s, w in prof.scorers:
+            col = s.score(req, cands, ctx)
+            columns[s.name] = col
+            if w == 1.0:
+                totals = [t + c for t, c in zip(totals, col)]
+            elif w:
+                totals = [t + w * c for t, c in zip(totals, col)]
+        if prof.weight_sum > 0:
+            inv = 1.0 / prof.weight_sum
+            totals = [t * inv for t in totals]
+        i = prof.picker.pick(cands, totals, ctx)
+        picked = cands[i]
+        return StageResult(stage, cands, filtered, columns, totals, ctx.overlap, picked, "", i, prof.picker.name,
+                           ctx.request_blocks), "ok"

@@ -1,0 +1,100 @@
+"""Bus inputs of the router: engine announcements and metrics, device telemetry, diagnoses, KV events.
+
+Each subject is read with an ordered JetStream consumer (no durable state: the router rebuilds
+its view on start): engine metrics, announcements and device telemetry from the last message per subject,
+diagnoses and KV events from the start of their streams. Every message is decoded with its
+schema and folded into :class:`router.state.ClusterState` or the embedded KV index; a message
+that does not decode goes to the dead-letter subject with the reason, and the feed keeps going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from prometheus_client import CollectorRegistry, Counter
+
+from consumers.bus import DeadLetters
+from router.state import ClusterState
+from schemas import EngineAnnouncement, EngineMetrics, KvEventBatch, ValidationFailure, decode_event
+from schemas import DeviceTelemetry, Diagnosis
+from schemas import subjects as S
+from streams.topology import build_topology, stream_for_subject
+
+log = logging.getLogger(__name__)
+
+
+class BusFeeds:
+    def __init__(self, nc, state: ClusterState, *, prefix: str | None = None, index: Any = None,
+                 registry: CollectorRegistry | None = None, consumer_name: str = "router"):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.state = state
+        self.index = index
+        self.prefix = prefix
+        self.topology = build_topology(prefix=prefix)
+        self.dead = DeadLetters(self.js, consumer=consumer_name, registry=registry, prefix=prefix)
+        self.applied = Counter("infernex_router_feed_messages_total", "Bus messages folded into router state",
+                               ["kind"], registry=registry)
+        self._subs: list = []
+        self._pending: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        feeds = [
+            (S.ALL_ENGINE_METRICS, DeliverPolicy.LAST_PER_SUBJECT, EngineMetrics, self.state.apply_metrics),
+            (S.ALL_ENGINE_ANNOUNCE, DeliverPolicy.LAST_PER_SUBJECT, EngineAnnouncement,
+             self.state.apply_announcement),
+            (S.ALL_DIAGNOSIS, DeliverPolicy.ALL, Diagnosis, self.state.apply_diagnosis),
+            (S.ALL_DEVICE_TELEMETRY, DeliverPolicy.LAST_PER_SUBJECT, DeviceTelemetry, self.state.apply_device),
+        ]
+        if self.index is not None:
+            feeds.append((S.ALL_KV_EVENTS, DeliverPolicy.ALL, KvEventBatch, self._apply_kv))
+        for subject, policy, model, fold in feeds:
+            full = S.with_prefix(self.prefix, subject)
+            spec = stream_for_subject(self.topology, full)
+            cb = self._callback(spec.logical if spec else subject, model, fold)
+            if spec is None:
+                self._subs.append(await self.nc.subscribe(full, cb=cb))
+            else:
+                self._subs.append(await self.js.subscribe(
+                    full, cb=cb, ordered_consumer=True, stream=spec.name,
+                    config=ConsumerConfig(deliver_policy=policy)))
+
+    def _apply_kv(self, batch: KvEventBatch) -> None:
+        self.index.apply(batch)
+
+    def _callback(self, stream: str, model, fold):
+        kind = model.__name__
+
+        async def cb(msg) -> None:
+            try:
+                event = decode_event(model, msg.data)
+            except ValidationFailure as exc:
+                await self._dead(stream, msg, str(exc))
+                return
+            try:
+                fold(event)
+            except (ValueError, KeyError) as exc:  # a fold refusing an event is bad input too
+                await self._dead(stream, msg, f"{kind} rejected: {exc}")
+                return
+            self.applied.labels(kind).inc()
+
+        return cb
+
+    async def _dead(self, stream: str, msg, reason: str) -> None:
+        subj = msg.subject[len(self.prefix) + 1:] if self.prefix else msg.subject
+        log.warning("dead-lettering a message on %s: %s", subj, reason[:200])
+        try:
+            await self.dead.send(stream, subj, msg.data, reason)
+        except Exception as exc:  # noqa: BLE001 - the feed must keep going
+            log.warning("dead letter publish failed: %s", type(exc).__name__)
+
+    async def stop(self) -> None:
+        for s in self._subs:
+            try:
+                await s.unsubscribe()
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+        self._subs.clear()

@@ -1,0 +1,158 @@
+"""Filters: ``apply(request, candidates, ctx) -> kept candidates``. Order is kept."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.plugins.base import Ctx, Plugin, register
+from router.types import BackendState, RoutingRequest
+
+
+class _P(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Filter(Plugin):
+    kind = "filter"
+
+    def apply(self, req: RoutingRequest, cands: list[BackendState], ctx: Ctx) -> list[BackendState]:
+        raise NotImplementedError
+
+
+@register
+class ModelFilter(Filter):
+    """Backends serving the requested model (or holding the requested LoRA adapter as the model)."""
+
+    type_name = "model-filter"
+
+    def apply(self, req, cands, ctx):
+        m = req.model
+        return [b for b in cands if b.model == m or m in b.loras]
+
+
+class RoleParams(_P):
+    roles: list[Literal["aggregated", "prefill", "decode"]] = Field(default_factory=lambda: ["aggregated"],
+                                                                    min_length=1)
+
+
+@register
+class RoleFilter(Filter):
+    type_name = "role-filter"
+    Params = RoleParams
+
+    def __init__(self, name, params):
+        super().__init__(name, params)
+        self._roles = frozenset(params.roles)
+
+    def apply(self, req, cands, ctx):
+        roles = self._roles
+        return [b for b in cands if b.role in roles]
+
+
+@register
+class PdGroupFilter(Filter):
+    """In the decode stage, keep the prefill pod's group (xPyD: transfers stay inside a group)."""
+
+    type_name = "pd-group-filter"
+
+    def apply(self, req, cands, ctx):
+        if ctx.group is None:
+            return cands
+        g = ctx.group
+        return [b for b in cands if b.group == g]
+
+
+@register
+class HealthyFilter(Filter):
+    """Drops backends with a critical diagnosis, an open circuit breaker, draining, or tried already."""
+
+    type_name = "healthy-filter"
+
+    def apply(self, req, cands, ctx):
+        ex = req.exclude
+        return [b for b in cands
+                if b.health != "critical" and not b.circuit_open and not b.draining and b.pod not in ex]
+
+
+class BusyParams(_P):
+    kv_usage_threshold: float = Field(default=0.95, gt=0, le=1)
+    max_waiting: float = Field(default=64, gt=0)
+    max_pending_prefill_tokens: int = Field(default=65536, gt=0)
+
+
+@register
+class NotBusyFilter(Filter):
+    """Dynamo-like busy detection: KV usage, queue and pending prefill tokens over thresholds."""
+
+    type_name = "not-busy-filter"
+    Params = BusyParams
+
+    def apply(self, req, cands, ctx):
+        p = self.params
+        kv, w, pp = p.kv_usage_threshold, p.max_waiting, p.max_pending_prefill_tokens
+        return [b for b in cands if b.kv_usage < kv and b.waiting < w and b.pending_prefill_tokens < pp]
+
+
+@register
+class LoraFilter(Filter):
+    """When the request names a LoRA adapter, keep backends that have it loaded."""
+
+    type_name = "lora-filter"
+
+    def apply(self, req, cands, ctx):
+        if not req.lora:
+            return cands
+        a = req.lora
+        return [b for b in cands if a in b.loras]
+
+
+class Bucket(_P):
+    max_prompt_tokens: int | None = Field(default=None, gt=0, description="None: no upper bound")
+    groups: list[str] | None = Field(default=None, description="PD groups of this bucket; None: assigned")
+
+
+class BucketParams(_P):
+    buckets: list[Bucket] = Field(
+        default_factory=lambda: [Bucket(max_prompt_tokens=1024), Bucket(max_prompt_tokens=None)], min_length=1)
+
+
+def bucket_index(buckets: list[Bucket], prompt_tokens: int) -> int:
+    for i, b in enumerate(buckets):
+        if b.max_prompt_tokens is None or prompt_tokens <= b.max_prompt_tokens:
+            return i
+    return len(buckets) - 1
+
+
+@register
+class PdBucketFilter(Filter):
+    """PD-Bucket: requests are bucketed by prompt length; each bucket owns some PD groups.
+
+    Buckets without explicit ``groups`` share the remaining groups in sorted order (group i goes to
+    bucket i mod n), so short and long prompts do not queue behind each other.
+    """
+
+    type_name = "pd-bucket-filter"
+    Params = BucketParams
+
+    def groups_for(self, prompt_tokens: int, all_groups: list[str]) -> set[str]:
+        buckets = self.params.buckets
+        i = bucket_index(buckets, prompt_tokens)
+        if buckets[i].groups is not None:
+            return set(buckets[i].groups)
+        explicit = {g for b in buckets if b.groups for g in b.groups}
+        free = [g for g in sorted(all_groups) if g not in explicit]
+        auto = [j for j, b in enumerate(buckets) if b.groups is None]
+        if not free:
+            return set()
+        if len(free) < len(auto):  # fewer groups than buckets: share
+            return {free[auto.index(i) % len(free)]}
+        return {g for k, g in enumerate(free) if auto[k % len(auto)] == i}
+
+    def apply(self, req, cands, ctx):
+        if ctx.group is not None:
+            return cands
+        groups = sorted({b.group for b in cands if b.group is not None})
+        keep = self.groups_for(ctx.prompt_tokens, groups)
+        return [b for b in cands if b.group in keep]

@@ -1,0 +1,168 @@
+"""Scorers: ``score(request, candidates, ctx) -> list of floats in [0,1]``, higher is better."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.plugins.base import Ctx, Plugin, register
+from router.types import BackendState, RoutingRequest
+
+
+class _P(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Scorer(Plugin):
+    kind = "scorer"
+
+    def score(self, req: RoutingRequest, cands: list[BackendState], ctx: Ctx) -> list[float]:
+        raise NotImplementedError
+
+
+def _clip01(x: float) -> float:
+    return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
+
+
+def _relative_low_is_good(values: list[float]) -> list[float]:
+    """min -> 1, max -> 0, linear between; all equal -> 1."""
+    lo = min(values)
+    span = max(values) - lo
+    if span <= 0:
+        return [1.0] * len(values)
+    inv = 1.0 / span
+    return [1.0 - (v - lo) * inv for v in values]
+
+
+class PrefixParams(_P):
+    mode: Literal["exact", "approximate"] = "exact"
+
+
+@register
+class PrefixScorer(Scorer):
+    """Share of the prompt's blocks already cached on the backend (from the KV index).
+
+    ``exact`` counts blocks the engines reported (KV events); ``approximate`` also counts
+    blocks predicted from the router's own routing history (no events needed).
+    """
+
+    type_name = "prefix-scorer"
+    Params = PrefixParams
+    needs_overlap = True
+
+    def score(self, req, cands, ctx):
+        n = ctx.request_blocks
+        if n <= 0:
+            return [0.0] * len(cands)
+        get = ctx.overlap.get
+        inv = 1.0 / n
+        return [x if x < 1.0 else 1.0 for x in [get(b.pod, 0) * inv for b in cands]]
+
+
+@register
+class KvUsageScorer(Scorer):
+    """Free KV-cache share: ``1 - kv_cache_usage_perc``."""
+
+    type_name = "kv-usage-scorer"
+
+    def score(self, req, cands, ctx):
+        return [1.0 - _clip01(b.kv_usage) for b in cands]
+
+
+@register
+class QueueScorer(Scorer):
+    """Shorter waiting queue is better (relative to the other candidates)."""
+
+    type_name = "queue-scorer"
+
+    def score(self, req, cands, ctx):
+        return _relative_low_is_good([b.waiting for b in cands])
+
+
+@register
+class ActiveTokensScorer(Scorer):
+    """Fewer tokens in flight through this router is better (relative)."""
+
+    type_name = "active-tokens-scorer"
+
+    def score(self, req, cands, ctx):
+        return _relative_low_is_good([b.active_tokens + b.running for b in cands])
+
+
+class HealthParams(_P):
+    max_queue: float = Field(default=32, gt=0, description="waiting requests that count as a full queue")
+    max_running: float = Field(default=256, gt=0, description="running requests that count as full CPU")
+    warning_factor: float = Field(default=0.5, ge=0, le=1, description="multiplier under a warning diagnosis")
+
+
+@register
+class HealthScorer(Scorer):
+    """The seed-001 health score ``0.4(1-queue)+0.3(1-cpu)+0.3(1-mem)``, lowered under a warning.
+
+    queue = waiting/max_queue, cpu = reported CPU utilisation or running/max_running, mem =
+    reported memory utilisation or KV-cache usage; each clipped to [0,1].
+    """
+
+    type_name = "health-scorer"
+    Params = HealthParams
+
+    def score(self, req, cands, ctx):
+        p = self.params
+        iq, ir, wf = 1.0 / p.max_queue, 1.0 / p.max_running, p.warning_factor
+        out = []
+        for b in cands:
+            q = b.waiting * iq
+            q = 1.0 if q > 1.0 else q
+            cpu = b.cpu_util
+            if cpu is None:
+                cpu = b.running * ir
+            mem = b.mem_util
+            if mem is None:
+                mem = b.kv_usage
+            cpu = 0.0 if cpu < 0.0 else (1.0 if cpu > 1.0 else cpu)
+            mem = 0.0 if mem < 0.0 else (1.0 if mem > 1.0 else mem)
+            s = 1.0 - 0.4 * q - 0.3 * cpu - 0.3 * mem
+            if b.health == "warning":
+                s *= wf
+            out.append(s)
+        return out
+
+
+class CostParams(_P):
+    prefill_load_scale: float = Field(default=1.0, ge=0)
+    overlap_credit: float = Field(default=1.0, ge=0, le=1)
+
+
+@register
+class DynamoCostScorer(Scorer):
+    """Dynamo's KV-router cost, turned into a score (lowest cost -> 1, highest -> 0).
+
+    ``cost = prefill_load_scale * max(prefill_blocks - credit * overlap_blocks, 0) + decode_blocks``
+    where prefill_blocks = the prompt's blocks + blocks of prefill already pending on the backend,
+    decode_blocks = blocks active on the backend (its KV usage, or the router's in-flight tokens)
+    plus the prompt's blocks.
+    """
+
+    type_name = "dynamo-cost-scorer"
+    Params = CostParams
+    needs_overlap = True
+
+    def costs(self, cands: list[BackendState], ctx: Ctx) -> list[float]:
+        p = self.params
+        bs = ctx.block_size
+        n = ctx.request_blocks
+        ov = ctx.overlap
+        out = []
+        for b in cands:
+            prefill = n + b.pending_prefill_tokens / bs
+            if b.num_gpu_blocks:
+                active = b.kv_usage * b.num_gpu_blocks
+            else:
+                active = b.active_tokens / bs
+            decode = active + n
+            out.append(p.prefill_load_scale * max(prefill - p.overlap_credit * ov.get(b.pod, 0), 0.0) + decode)
+        return out
+
+    def score(self, req, cands, ctx):
+        return _relative_low_is_good(self.costs(cands, ctx))

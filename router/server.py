@@ -1,0 +1,814 @@
+"""The HTTP edge: OpenAI-compatible API in front of the engines (aiohttp server and client).
+
+Request path: parse and check the body -> tokenize -> ``Router.decide`` over the state snapshot
+-> (PD: prefill with ``max_tokens=1`` and ``do_remote_decode``) -> forward to the target, SSE
+passed through event by event -> record. Connect failures go to another backend (bounded);
+a backend dying mid-stream makes the request migrate with the text generated so far; a client
+disconnect closes the upstream connection; all backends busy -> 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.config import RouterConfig
+from router.core import Router
+from router.records import RecordSink
+from router.resilience import RateLimiter
+from router.state import ClusterState
+from router.tokenize import PromptEncoder
+from router.types import BackendState, Decision, RoutingRequest
+from schemas.records import RequestRecord, RoutingDecision
+
+log = logging.getLogger(__name__)
+
+_json_decode = msgspec.json.decode
+_json_encode = msgspec.json.encode
+_UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+_RID = web.RequestKey("rid", str) if hasattr(web, "RequestKey") else "rid"
+_RAW = web.RequestKey("raw", bytes) if hasattr(web, "RequestKey") else "raw"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
+    return web.Response(status=status, body=_json_encode(body), content_type="application/json",
+                        headers=headers)
+
+
+def _sse_event(obj: Any) -> bytes:
+    return b"data: " + _json_encode(obj) + b"\n\n"
+
+
+@dataclass
+class _Flow:
+    """Everything one request carries through retries, PD and migration."""
+
+    rid: str
+    kind: str  # chat | completions
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    arrival: float
+    t0: float
+    rreq: RoutingRequest
+    raw: bytes | None = None  # the client's body, forwarded as is when unchanged
+    wants_usage: bool = False
+    exclude: set[str] = field(default_factory=set)
+    retries: int = 0
+    migrations: int = 0
+    text: str = ""
+    out_tokens: int = 0
+    first_token_t: float | None = None
+    last_token_t: float | None = None
+    cached_tokens: int = 0
+    prompt_tokens_reported: int | None = None
+    pods: list[str] = field(default_factory=list)
+    prefill_pod: str | None = None
+    decode_pod: str | None = None
+    decision: Decision | None = None
+    status: str = "ok"
+    http_status: int = 200
+    error: str | None = None
+    done: bool = False
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("infernex_router_requests_total", "Requests by outcome",
+                                ["strategy", "status"], registry=registry)
+        self.duration = Histogram("infernex_router_request_duration_seconds", "End-to-end request time",
+                                  ["strategy"], registry=registry)
+        self.ttft = Histogram("infernex_router_ttft_seconds", "Time to first token through the router",
+                              ["strategy"], registry=registry)
+        self.decision = Histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
+                                  ["strategy"], registry=registry,
+                                  buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
+        self.retries = Counter("infernex_router_retries_total", "Requests re-sent after a failure",
+                               ["reason"], registry=registry)
+        self.migrations = Counter("infernex_router_migrations_total", "Streams moved to another backend",
+                                  registry=registry)
+        self.picks = Counter("infernex_router_picks_total", "Backends picked", ["pod", "stage"],
+                             registry=registry)
+        self.inflight = Gauge("infernex_router_inflight_requests", "Requests in flight", registry=registry)
+        self.rejected = Counter("infernex_router_rejected_total", "Requests refused", ["reason"],
+                                registry=registry)
+
+
+class RouterService:
+    """The aiohttp application plus its upstream session; start/stop/drain for the CLI and tests."""
+
+    def __init__(self, cfg: RouterConfig, *, router: Router | None = None, state: ClusterState | None = None,
+                 index: Any = None, registry: CollectorRegistry | None = None, records: RecordSink | None = None,
+                 encoder: PromptEncoder | None = None):
+        self.cfg = cfg
+        self.router = router or Router(cfg.strategy, seed=cfg.seed, default_block_size=cfg.block_size)
+        self.state = state or ClusterState(cfg)
+        self.index = index
+        self.registry = registry or CollectorRegistry()
+        self.metrics = RouterMetrics(self.registry)
+        name = self.router.name
+        self._m_decision = self.metrics.decision.labels(name)
+        self._m_duration = self.metrics.duration.labels(name)
+        self._m_ttft = self.metrics.ttft.labels(name)
+        self._m_requests: dict[str, Any] = {}
+        self._m_picks: dict[tuple[str, str], Any] = {}
+        self.records = records
+        self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
+        self._keys = [k.encode() for k in cfg.load_api_keys()]
+        self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
+        self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
+            if cfg.rate_limit_rps else None
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.url: str | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._middleware])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.prom)
+        app.router.add_post("/v1/router/decide", self.decide)
+        app.router.add_get("/v1/router/backends", self.backends)
+        return app
+
+    async def open(self) -> None:
+        if self.session is None:
+            conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                            sock_read=self.cfg.read_timeout_s)
+            self.session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False,
+                                                 json_serialize=lambda o: _json_encode(o).decode())
+        self._tasks.append(asyncio.create_task(self._refresher()))
+
+    async def start(self, host: str | None = None, port: int | None = None) -> str:
+        await self.open()
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host or self.cfg.host, self.cfg.port if port is None else port,
+                           shutdown_timeout=1.0)
+        await site.start()
+        sock = site._server.sockets[0]  # noqa: SLF001 - the bound port when 0 was asked
+        h, p = sock.getsockname()[:2]
+        self.url = f"http://{h}:{p}"
+        return self.url
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new requests, wait for in-flight ones; True if all finished in time."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s if timeout is None else timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        self._tasks.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def _refresher(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.state.refresh()
+
+    # -- middleware: request id, auth, limits, errors ---------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex}"
+        request[_RID] = rid
+        try:
+            path = request.path
+            if path.startswith("/v1/"):
+                self._authorize(request, admin=path.startswith("/v1/router/"))
+            resp = await handler(request)
+        except ApiError as e:
+            if e.status in (401, 403, 429):
+                self.metrics.rejected.labels({401: "auth", 403: "auth", 429: "rate"}[e.status]).inc()
+            resp = error_response(e.status, e.message, e.type, e.code, e.param, e.headers)
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.rejected.labels("body_size").inc()
+            resp = error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
+                                  code="body_too_large")
+        except web.HTTPException as e:
+            if e.status >= 400:
+                resp = error_response(e.status, e.reason or "error", code=str(e.status))
+            else:
+                raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - never a stack trace to the client
+            log.exception("internal error on %s (request %s)", request.path, rid)
+            resp = error_response(500, "internal router error", "server_error")
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = rid
+        return resp
+
+    def _authorize(self, request: web.Request, admin: bool) -> None:
+        keys = [self._admin] if (admin and self._admin) else self._keys
+        token = None
+        if keys:
+            auth = request.headers.get("Authorization", "")
+            if not auth.startswith("Bearer "):
+                raise ApiError(401, "missing API key (Authorization: Bearer ...)", "authentication_error",
+                               "invalid_api_key")
+            token = auth[7:].strip().encode()
+            ok = False
+            for k in keys:  # compare with every key, in constant time each
+                ok |= hmac.compare_digest(token, k)
+            if not ok:
+                raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key")
+        if self._limiter is not None and not admin:
+            key = token.decode(errors="replace") if token else (request.remote or "-")
+            allowed, wait = self._limiter.allow(key)
+            if not allowed:
+                raise ApiError(429, "rate limit exceeded", "rate_limit_error", "rate_limit_exceeded",
+                               headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+
+    # -- simple endpoints -------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"ready": False, "reason": "draining"}, status=503)
+        n = sum(1 for b in self.state.snapshot() if b.health != "critical" and not b.circuit_open)
+        if n == 0:
+            return web.json_response({"ready": False, "reason": "no usable backend"}, status=503)
+        return web.json_response({"ready": True, "backends": n})
+
+    async def prom(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(self.registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        backends = [b for b in self.state.snapshot() if not b.circuit_open]
+        seen: dict[str, dict] = {}
+
+        async def one(b: BackendState):
+            try:
+                async with self.session.get(b.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return _json_decode(await r.read()).get("data", [])
+            except (*_UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError):
+                pass
+            return []
+
+        results = await asyncio.gather(*(one(b) for b in backends))
+        for items in results:
+            for m in items:
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    seen.setdefault(m["id"], m)
+        for b in backends:
+            for mid in (b.model, *b.loras):
+                seen.setdefault(mid, {"id": mid, "object": "model", "created": 0, "owned_by": "infernex"})
+        return web.json_response({"object": "list", "data": sorted(seen.values(), key=lambda m: m["id"])})
+
+    async def backends(self, request: web.Request) -> web.Response:
+        infos = self._index_pods()
+        out = []
+        for b in self.state.snapshot():
+            d = b.public()
+            d["circuit"] = self.state.breakers.state(b.pod)
+            info = infos.get(b.pod)
+            d["cached_blocks"] = sum(info.blocks.values()) if info is not None else 0
+            d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
+            d["findings"] = self.state.health.reasons(b.pod)
+            out.append(d)
+        return web.json_response({"strategy": self.router.name, "pool": self.state.pool, "backends": out})
+
+    def _index_pods(self) -> dict[str, Any]:
+        fn = getattr(self.index, "pods", None)
+        if fn is None:
+            return {}
+        return fn()
+
+    async def decide(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        kind = "chat" if "messages" in body else "completions"
+        self._check_body(kind, body)
+        rreq = self._routing_request(kind, body, request[_RID])
+        decision = self._decide(rreq)
+        return web.json_response({"request_id": request[_RID], "prompt_tokens": rreq.prompt_tokens,
+                                  **decision.to_dict()})
+
+    # -- inference --------------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "chat", "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "completions", "/v1/completions")
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        request[_RAW] = raw
+        try:
+            body = _json_decode(raw)
+        except msgspec.DecodeError:
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _check_body(kind: str, body: dict[str, Any]) -> None:
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise ApiError(400, "'model' is required and must be a string", param="model")
+        if kind == "chat":
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+                raise ApiError(400, "'messages' must be a non-empty list of {role, content}", param="messages")
+        elif body.get("prompt") is None and body.get("prompt_token_ids") is None:
+            raise ApiError(400, "'prompt' is required", param="prompt")
+        for k in ("max_tokens", "max_completion_tokens"):
+            v = body.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ApiError(400, f"'{k}' must be a positive integer", param=k)
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise ApiError(400, "'stream' must be a boolean", param="stream")
+
+    def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
+        st = self.router.strategy
+        # token ids only when the strategy reads them (prefix overlap, PD decider, buckets)
+        ids = self.encoder.encode(kind, body) if (st.needs_overlap or st.pd) else None
+        if ids is None:
+            n = max(1, raw_len // 4) if raw_len else len(str(body.get("messages") or body.get("prompt"))) // 4
+        else:
+            n = len(ids)
+        lora = body.get("lora") if isinstance(body.get("lora"), str) else None
+        mt = body.get("max_completion_tokens") or body.get("max_tokens")
+        return RoutingRequest(model=body["model"], request_id=rid, token_ids=ids, prompt_tokens=n,
+                              max_tokens=mt, lora=lora)
+
+    def _decide(self, rreq: RoutingRequest) -> Decision:
+        t = time.perf_counter()
+        d = self.router.decide(rreq, self.state.snapshot(), self.index, self.state.clock.now())
+        self._m_decision.observe(time.perf_counter() - t)
+        return d
+
+    async def _inference(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError(503, "router is draining", "service_unavailable", "draining",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        body = await self._read_json(request)
+        self._check_body(kind, body)
+        rid = request[_RID]
+        stream = bool(body.get("stream"))
+        flow = _Flow(rid=rid, kind=kind, path=path, body=body, stream=stream, arrival=time.time(),
+                     t0=time.perf_counter(), rreq=self._routing_request(kind, body, rid, len(request[_RAW])),
+                     raw=request[_RAW])
+        if stream:
+            so = body.get("stream_options")
+            flow.wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        self.inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._run(request, flow)
+            return resp
+        except asyncio.CancelledError:
+            flow.status, flow.http_status, flow.error = "cancelled", 499, "client disconnected"
+            raise
+        except ConnectionResetError:  # the client went away while we wrote to it
+            flow.status, flow.http_status, flow.error = "cancelled", 499, "client disconnected"
+            raise asyncio.CancelledError() from None
+        except ApiError as e:
+            flow.status = "rejected" if e.status in (404, 503) else "error"
+            flow.http_status, flow.error = e.status, e.message
+            raise
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+            if self.inflight == 0:
+                self._idle.set()
+            self._finish(flow)
+
+    async def _run(self, request: web.Request, flow: _Flow) -> web.StreamResponse:
+        cfg = self.cfg
+        resp: web.StreamResponse | None = None
+        body = flow.body
+        while True:
+            rreq = flow.rreq
+            if flow.exclude:
+                rreq.exclude = frozenset(flow.exclude)
+            decision = self._decide(rreq)
+            flow.decision = decision
+            self._publish_decision(flow, decision)
+            if not decision.ok:
+                err = self._decision_error(decision)
+                if resp is not None:  # mid-migration: tell the client in-band
+                    flow.status, flow.error = "error", err.message
+                    await self._write_sse_error(resp, err.message)
+                    return resp
+                raise err
+            target = decision.target
+            send_body = body
+            prefill_tokens = max(flow.rreq.prompt_tokens - decision.chosen_overlap_blocks * decision.block_size, 0)
+            if decision.prefill is not None:
+                kvp = await self._prefill(flow, decision.prefill, body)
+                if kvp is None:  # prefill failed; retry the whole decision without that pod
+                    if flow.retries > cfg.max_retries:
+                        raise ApiError(502, "no prefill backend answered", "server_error", "upstream_unavailable")
+                    continue
+                send_body = dict(body)
+                send_body["kv_transfer_params"] = kvp
+                prefill_tokens = 0
+            if flow.stream and not flow.wants_usage:
+                send_body = dict(send_body)
+                send_body["stream_options"] = {**(send_body.get("stream_options") or {}), "include_usage": True}
+            self._note_route(flow, decision)
+            resp, outcome = await self._forward(request, flow, target, send_body, resp, prefill_tokens)
+            if outcome is None:
+                return resp
+            # the backend failed; outcome is the reason
+            self.state.breakers.failure(target.pod)
+            flow.exclude.add(target.pod)
+            if resp is not None and resp.prepared:
+                # mid-stream: migrate with what was generated so far
+                flow.migrations += 1
+                self.metrics.migrations.inc()
+                if flow.migrations > cfg.max_migrations:
+                    flow.status, flow.error = "error", "backend failed mid-stream; migration limit reached"
+                    await self._write_sse_error(resp, flow.error)
+                    return resp
+                try:
+                    nb = self._continuation(flow)
+                except ApiError as e:
+                    flow.status, flow.error = "error", e.message
+                    await self._write_sse_error(resp, e.message)
+                    return resp
+                if nb is None:  # nothing left to generate
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                    flow.done = True
+                    return resp
+                body = nb
+                continue
+            flow.retries += 1
+            self.metrics.retries.labels(str(outcome)).inc()
+            if flow.retries > cfg.max_retries:
+                raise ApiError(502, f"no backend answered after {flow.retries} attempts", "server_error",
+                               "upstream_unavailable")
+
+    def _decision_error(self, d: Decision) -> ApiError:
+        if d.status == "no_model":
+            return ApiError(404, d.reason, "invalid_request_error", "model_not_found", "model")
+        if d.status == "busy":
+            self.metrics.rejected.labels("busy").inc()
+            return ApiError(503, "all backends are busy, retry later", "service_unavailable", "busy",
+                            headers={"Retry-After": str(self.cfg.retry_after_s)})
+        self.metrics.rejected.labels("no_backend").inc()
+        return ApiError(503, f"no backend available: {d.reason}", "service_unavailable", "no_backend",
+                        headers={"Retry-After": str(self.cfg.retry_after_s)})
+
+    def _pick(self, pod: str, stage: str) -> None:
+        c = self._m_picks.get((pod, stage))
+        if c is None:
+            c = self._m_picks[(pod, stage)] = self.metrics.picks.labels(pod, stage)
+        c.inc()
+
+    def _note_route(self, flow: _Flow, d: Decision) -> None:
+        t = d.target
+        if d.prefill is not None:
+            flow.prefill_pod = d.prefill.pod
+            flow.decode_pod = t.pod
+            self._pick(d.prefill.pod, "prefill")
+            self._pick(t.pod, "decode")
+        else:
+            self._pick(t.pod, "decode" if self.router.strategy.pd else "aggregated")
+            if self.router.strategy.pd:
+                flow.decode_pod = t.pod
+        for p in ([d.prefill.pod] if d.prefill else []) + [t.pod]:
+            if p not in flow.pods:
+                flow.pods.append(p)
+        rec = getattr(self.index, "record_route", None) if self.router.strategy.approximate else None
+        if rec is not None and flow.rreq.token_ids:
+            try:
+                rec(flow.rreq.model, (d.prefill or t).pod, token_ids=flow.rreq.token_ids)
+            except (KeyError, ValueError, TypeError):
+                pass
+
+    async def _prefill(self, flow: _Flow, pb: BackendState, body: dict[str, Any]) -> dict | None:
+        """PD stage one: ``max_tokens=1``, not streamed, ``do_remote_decode``; returns kv_transfer_params."""
+        pre = dict(body)
+        pre.update(stream=False, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        pre.pop("stream_options", None)
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        self.state.breakers.attempt(pb.pod)
+        self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+        try:
+            async with self.session.post(pb.url + flow.path, data=_json_encode(pre),
+                                         headers={"X-Request-Id": flow.rid, "Content-Type": "application/json"}) as r:
+                data = await r.read()
+                if r.status >= 500:
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+                if r.status >= 400:
+                    raise ApiError(r.status, _upstream_message(data), code="prefill_rejected")
+            kvp = _json_decode(data).get("kv_transfer_params") or {}
+            self.state.breakers.success(pb.pod)
+            return kvp
+        except (*_UPSTREAM_ERRORS, aiohttp.ClientResponseError, msgspec.DecodeError) as e:
+            log.warning("prefill on %s failed for %s: %s", pb.pod, flow.rid, type(e).__name__)
+            self.state.breakers.failure(pb.pod)
+            flow.exclude.add(pb.pod)
+            flow.retries += 1
+            self.metrics.retries.labels("prefill").inc()
+            return None
+        finally:
+            self.state.finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+
+    async def _forward(self, request: web.Request, flow: _Flow, b: BackendState, body: dict[str, Any],
+                       resp: web.StreamResponse | None, prefill_tokens: int):
+        """Send to ``b``: ``(client response, None)`` when done, ``(response or None, reason)`` on failure."""
+        self.state.breakers.attempt(b.pod)
+        self.state.started(b, flow.rreq.prompt_tokens, prefill_tokens)
+        pending = prefill_tokens
+        up = None
+        try:
+            try:
+                data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
+                up = await self.session.post(b.url + flow.path, data=data,
+                                             headers={"X-Request-Id": flow.rid, "Content-Type": "application/json"})
+            except _UPSTREAM_ERRORS as e:
+                log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
+                return resp, "connect"
+            if up.status >= 500 and resp is None:
+                await up.read()
+                return resp, f"http_{up.status}"
+            if up.status >= 400 or not flow.stream:
+                try:
+                    data = await up.read()
+                except _UPSTREAM_ERRORS:
+                    return resp, "read"
+                if resp is not None:  # continuation refused mid-migration
+                    await self._write_sse_error(resp, _upstream_message(data))
+                    flow.done = True
+                    return resp, None
+                self.state.breakers.success(b.pod)
+                flow.http_status = up.status
+                if up.status >= 400:
+                    flow.status, flow.error = "error", _upstream_message(data)[:500]
+                else:
+                    self._account_json(flow, data)
+                self.state.first_token(b, pending)
+                pending = 0
+                flow.done = True
+                out = web.Response(status=up.status, body=data)
+                out.headers["Content-Type"] = up.headers.get("Content-Type", "application/json")
+                out.headers["X-Request-Id"] = flow.rid
+                return out, None
+            # streaming pass-through, event by event
+            if resp is None:
+                resp = web.StreamResponse(status=up.status)
+                resp.headers["Content-Type"] = "text/event-stream"
+                resp.headers["Cache-Control"] = "no-cache"
+                resp.headers["X-Request-Id"] = flow.rid
+                resp.headers["X-Accel-Buffering"] = "no"
+                await resp.prepare(request)
+            buf = b""
+            try:
+                async for chunk in up.content.iter_any():
+                    buf += chunk
+                    out = bytearray()
+                    while True:
+                        i = buf.find(b"\n\n")
+                        if i < 0:
+                            break
+                        ev, buf = buf[:i + 2], buf[i + 2:]
+                        keep = self._on_event(flow, ev)
+                        if keep:
+                            out += ev
+                    if out:
+                        if pending and flow.first_token_t is not None:
+                            self.state.first_token(b, pending)
+                            pending = 0
+                        await resp.write(bytes(out))
+            except _UPSTREAM_ERRORS as e:
+                if not flow.done:
+                    log.warning("backend %s failed mid-stream for %s: %s", b.pod, flow.rid, type(e).__name__)
+                    return resp, "mid_stream"
+            if not flow.done:
+                # the stream ended without [DONE]: the backend went away
+                log.warning("backend %s ended the stream early for %s", b.pod, flow.rid)
+                return resp, "mid_stream"
+            self.state.breakers.success(b.pod)
+            await resp.write_eof()
+            return resp, None
+        finally:
+            if up is not None:
+                if flow.done and up.content.at_eof():
+                    up.release()
+                else:
+                    up.close()  # closes the connection: the engine sees the cancel
+            self.state.finished(b, flow.rreq.prompt_tokens, pending)
+
+    def _on_event(self, flow: _Flow, ev: bytes) -> bool:
+        """Track one SSE event; False drops it (the usage chunk the client did not ask for)."""
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                flow.done = True
+                return True
+            try:
+                obj = _json_decode(payload)
+            except msgspec.DecodeError:
+                return True
+            if not isinstance(obj, dict):
+                return True
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                self._account_usage(flow, usage)
+            choices = obj.get("choices") or []
+            for c in choices:
+                if not isinstance(c, dict):
+                    continue
+                piece = c.get("text")
+                if piece is None:
+                    delta = c.get("delta") or {}
+                    piece = delta.get("content") if isinstance(delta, dict) else None
+                if piece:
+                    now = time.perf_counter()
+                    if flow.first_token_t is None:
+                        flow.first_token_t = now
+                    flow.last_token_t = now
+                    flow.text += piece
+                    flow.out_tokens += 1
+            if not choices and usage is not None and not flow.wants_usage:
+                return False
+        return True
+
+    def _account_usage(self, flow: _Flow, usage: dict) -> None:
+        pt = usage.get("prompt_tokens")
+        if isinstance(pt, int):
+            flow.prompt_tokens_reported = pt
+        det = usage.get("prompt_tokens_details")
+        if isinstance(det, dict) and isinstance(det.get("cached_tokens"), int):
+            flow.cached_tokens = det["cached_tokens"]
+        ct = usage.get("completion_tokens")
+        if isinstance(ct, int) and flow.migrations == 0:
+            flow.out_tokens = max(flow.out_tokens, ct)
+
+    def _account_json(self, flow: _Flow, data: bytes) -> None:
+        now = time.perf_counter()
+        flow.first_token_t = flow.last_token_t = now
+        try:
+            obj = _json_decode(data)
+        except msgspec.DecodeError:
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self._account_usage(flow, obj["usage"])
+            ct = obj["usage"].get("completion_tokens")
+            if isinstance(ct, int):
+                flow.out_tokens = ct
+
+    def _continuation(self, flow: _Flow) -> dict[str, Any] | None:
+        """The request re-issued elsewhere: the text so far appended, ``max_tokens`` reduced."""
+        body = dict(flow.body)
+        if flow.stream and not flow.wants_usage:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if not flow.text:
+            return body  # nothing generated yet: the same request again
+        key = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+        limit = body.get(key)
+        if isinstance(limit, int):
+            left = limit - flow.out_tokens
+            if left <= 0:
+                return None
+            body[key] = left
+        if flow.kind == "chat":
+            msgs = list(body["messages"])
+            msgs.append({"role": "assistant", "content": flow.text})
+            body["messages"] = msgs
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        else:
+            # token ids when we can tokenize like the engine (no re-split at the join), else text
+            prompt_ids = self.encoder.encode("completions", flow.body)
+            gen = self.encoder.encode("completions", {"prompt": flow.text}) if prompt_ids is not None else None
+            p = body.get("prompt")
+            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+                p = p[0]
+            if prompt_ids is not None and gen is not None:
+                body["prompt"] = prompt_ids + gen
+                body.pop("prompt_token_ids", None)
+            elif isinstance(p, str):
+                body["prompt"] = p + flow.text
+            else:
+                raise ApiError(502, "backend failed mid-stream and the prompt form cannot be continued",
+                               "server_error", "migration_impossible")
+        return body
+
+    async def _write_sse_error(self, resp: web.StreamResponse, message: str) -> None:
+        try:
+            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "code": 502}}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    # -- records ----------------------------------------------------------------------------
+    def _publish_decision(self, flow: _Flow, d: Decision) -> None:
+        if self.records is None:
+            return
+        now = time.time()
+        pool, model = self.state.pool, flow.rreq.model
+        for st in d.stages:
+            # built by the publisher task, off the request path
+            self.records.submit_decision(
+                lambda st=st: RoutingDecision(
+                    request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile, stage=st.stage,
+                    picked=st.picked.pod if st.picked else None, reason=st.reason[:1000],
+                    candidates=st.candidates()),
+                msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
+
+    def _finish(self, flow: _Flow) -> None:
+        e2e = time.perf_counter() - flow.t0
+        name = self.router.name
+        c = self._m_requests.get(flow.status)
+        if c is None:
+            c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
+        c.inc()
+        self._m_duration.observe(e2e)
+        ttft = None
+        if flow.first_token_t is not None:
+            ttft = flow.first_token_t - flow.t0
+            self._m_ttft.observe(ttft)
+        if self.records is None:
+            return
+        itl = None
+        if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
+            itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
+        d = flow.decision
+        self.records.submit_request(RequestRecord(
+            request_id=flow.rid, ts=flow.arrival, pool=self.state.pool,
+            role="pd" if flow.prefill_pod else "aggregated", model=flow.rreq.model, profile=name,
+            pods=flow.pods, prefill_pod=flow.prefill_pod, decode_pod=flow.decode_pod,
+            prompt_tokens=flow.prompt_tokens_reported or flow.rreq.prompt_tokens, output_tokens=flow.out_tokens,
+            cached_tokens=flow.cached_tokens, ttft_s=ttft, itl_s=itl, e2e_s=e2e, status=flow.status,
+            http_status=flow.http_status, error=flow.error,
+            best_overlap_blocks=d.best_overlap_blocks if d else 0,
+            chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
+            retries=flow.retries, migrations=flow.migrations, stream=flow.stream))
+
+
+def _upstream_message(data: bytes) -> str:
+    try:
+        obj = _json_decode(data)
+        if isinstance(obj, dict):
+            err = obj.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return err["message"]
+            if isinstance(obj.get("message"), str):
+                return obj["message"]
+    except msgspec.DecodeError:
+        pass
+    return data[:200].decode(errors="replace") or "upstream error"

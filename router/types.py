@@ -1,0 +1,174 @@
+"""Plain data the routing decision reads and returns. No I/O, no asyncio.
+
+``BackendState`` is a snapshot of one engine as the router sees it (identity from discovery,
+load from the engine-metrics fold, health from diagnoses, in-flight counts from the router
+itself). ``RoutingRequest`` is what the strategy needs to know about a request. ``Decision`` is
+what :meth:`router.core.Router.decide` returns: per stage, every candidate with each plugin's
+score, the pick and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from schemas.records import CandidateScore
+
+ROLES = ("aggregated", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class BackendState:
+    pod: str
+    url: str
+    model: str
+    role: str = "aggregated"
+    group: str | None = None
+    pool: str = "default"
+    loras: frozenset[str] = frozenset()
+    node: str | None = None
+    # load, from the engine.metrics fold
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    num_gpu_blocks: int | None = None
+    cpu_util: float | None = None
+    mem_util: float | None = None
+    # the router's own bookkeeping
+    inflight: int = 0
+    active_tokens: int = 0
+    pending_prefill_tokens: int = 0
+    # health
+    health: str = "ok"  # ok | warning | critical
+    circuit_open: bool = False
+    draining: bool = False
+    source: str = "static"
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "pod": self.pod, "url": self.url, "model": self.model, "role": self.role, "group": self.group,
+            "pool": self.pool, "loras": sorted(self.loras), "node": self.node, "waiting": self.waiting,
+            "running": self.running, "kv_usage": self.kv_usage, "inflight": self.inflight,
+            "active_tokens": self.active_tokens, "pending_prefill_tokens": self.pending_prefill_tokens,
+            "health": self.health, "circuit_open": self.circuit_open, "draining": self.draining,
+            "source": self.source,
+        }
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    model: str
+    request_id: str = ""
+    token_ids: Sequence[int] | None = None
+    keys: Sequence[int] | None = None  # approximate block keys when there are no token ids
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
+    lora: str | None = None
+    exclude: frozenset[str] = frozenset()  # pods already tried (retries, migration)
+
+
+class IndexView(Protocol):
+    """What the decision needs from a KV index (``streams.kv_index.KvIndex`` satisfies it)."""
+
+    def match_tokens(self, model: str, token_ids: Sequence[int], pods=None) -> dict: ...
+
+
+@dataclass(slots=True)
+class StageResult:
+    """One scheduling stage: the candidates (columnar, cheap to build) and the pick."""
+
+    stage: str  # aggregated | prefill | decode
+    cands: list[BackendState]
+    filtered: dict[str, str]  # pod -> filter that removed it
+    columns: dict[str, list[float]]  # scorer name -> score per candidate
+    totals: list[float]
+    overlap: dict[str, int]  # pod -> cached prefix blocks
+    picked: BackendState | None
+    fail_reason: str = ""  # why nothing was picked
+    picked_index: int = -1
+    picker: str = ""
+    request_blocks: int = 0
+
+    @property
+    def reason(self) -> str:
+        """Why this pick (built on demand: the hot path never formats it)."""
+        if self.picked is None:
+            return self.fail_reason
+        i = self.picked_index
+        parts = ", ".join(f"{k}={v[i]:.2f}" for k, v in self.columns.items())
+        out = f"{self.picker} picked {self.picked.pod} of {len(self.cands)}: total {self.totals[i]:.3f}"
+        if parts:
+            out += f" ({parts})"
+        if self.request_blocks:
+            out += f"; overlap {self.overlap.get(self.picked.pod, 0)}/{self.request_blocks} blocks"
+        return out
+
+    @property
+    def pods(self) -> list[str]:
+        return [b.pod for b in self.cands]
+
+    def candidates(self) -> list[CandidateScore]:
+        out = []
+        ov = self.overlap
+        for i, b in enumerate(self.cands):
+            out.append(CandidateScore(
+                pod=b.pod, scores={k: round(v[i], 6) for k, v in self.columns.items()},
+                total=round(self.totals[i], 6), overlap_blocks=ov.get(b.pod, 0)))
+        out.extend(CandidateScore(pod=p, filtered_by=f) for p, f in self.filtered.items())
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "picked": self.picked.pod if self.picked else None,
+            "reason": self.reason,
+            "candidates": [c.model_dump() for c in self.candidates()],
+        }
+
+
+@dataclass(slots=True)
+class Decision:
+    profile: str
+    status: str  # ok | busy | no_model | no_backend
+    stages: list[StageResult] = field(default_factory=list)
+    target: BackendState | None = None  # aggregated pick, or the decode pick for PD
+    prefill: BackendState | None = None  # set when the request is disaggregated
+    note: str = ""  # extra explanation (e.g. why remote prefill was skipped)
+    request_blocks: int = 0
+    block_size: int = 16
+    best_overlap_blocks: int = 0
+    chosen_overlap_blocks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def reason(self) -> str:
+        st = self.stages
+        if not st:
+            return self.note
+        if len(st) == 1:
+            r = st[0].reason
+            return f"{st[0].stage}: {r}" if st[0].stage != "aggregated" else r
+        pre, dcd = st[0], st[1]
+        if self.status != "ok":
+            bad = pre if pre.picked is None else dcd
+            return f"{bad.stage}: {bad.reason}"
+        if self.prefill is None:
+            return self.note + dcd.reason
+        return f"prefill: {pre.reason}; decode: {dcd.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile,
+            "status": self.status,
+            "picked": self.target.pod if self.target else None,
+            "prefill": self.prefill.pod if self.prefill else None,
+            "reason": self.reason,
+            "request_blocks": self.request_blocks,
+            "block_size": self.block_size,
+            "best_overlap_blocks": self.best_overlap_blocks,
+            "chosen_overlap_blocks": self.chosen_overlap_blocks,
+            "stages": [s.to_dict() for s in self.stages],
+        }
