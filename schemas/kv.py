@@ -58,6 +58,10 @@ class BlockStored(_KvBase):
     lora_id: int | None = None
     lora_name: str | None = None
     medium: Medium | None = None
+    parent_key: int | None = Field(
+        default=None, ge=0, le=U64,
+        description="the indexer's own chained key of the parent block; only index dumps set it "
+                    "(engines leave it unset and give parent_block_hash)")
 
     @field_validator("block_hashes", mode="before")
     @classmethod

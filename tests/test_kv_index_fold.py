@@ -1,0 +1,414 @@
+"""The KV index fold: keys, matching, tiers, bad input, predictions, dump/restore (Hypothesis)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
+from streams.clock import ManualClock
+from streams.kv_index import KvIndex, block_keys
+
+BS = 4
+
+
+def toks(*blocks: int) -> list[int]:
+    """Token ids for blocks named by small ints (block b is [b*10, b*10+1, ...])."""
+    out = []
+    for b in blocks:
+        out.extend(range(b * 10, b * 10 + BS))
+    return out
+
+
+def stored(hashes, blocks, parent=None, medium=None):
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=toks(*blocks),
+                       block_size=BS, medium=medium)
+
+
+class Feed:
+    """Builds batches per pod with increasing sequence numbers."""
+
+    def __init__(self, index: KvIndex, model: str = "m"):
+        self.index = index
+        self.model = model
+        self.seq: dict[str, int] = {}
+
+    def __call__(self, pod: str, *events, epoch: int = 0, seq: int | None = None):
+        if seq is None:
+            seq = self.seq.get(pod, -1) + 1
+        self.seq[pod] = seq
+        return self.index.apply(KvEventBatch(pod=pod, model=self.model, epoch=epoch, seq=seq, ts=float(seq),
+                                             events=list(events)))
+
+
+@pytest.fixture
+def idx():
+    return KvIndex(ManualClock())
+
+
+def matched(index, blocks, model="m", pods=None):
+    return {p: m.matched_blocks for p, m in index.match_tokens(model, toks(*blocks), pods).items()}
+
+
+def test_block_keys_are_chained_and_stable():
+    t = toks(1, 2, 3)
+    k = block_keys(t, BS)
+    assert len(k) == 3 and len(set(k)) == 3
+    assert block_keys(t + [7, 7], BS) == k  # partial trailing block ignored
+    assert block_keys(toks(2, 3), BS, parent=k[0]) == k[1:]  # chaining from a parent key
+    assert block_keys(toks(2), BS) != [k[1]]  # same tokens, other prefix: other key
+    assert block_keys(t, BS, lora="a") != k
+    import numpy as np
+
+    assert block_keys(np.array(t), BS) == k
+    with pytest.raises(ValueError):
+        block_keys([-1] * BS, BS)
+    with pytest.raises(ValueError):
+        block_keys(np.array([-1] * BS), BS)
+
+
+def test_prefix_match_per_pod(idx):
+    f = Feed(idx)
+    f("a", stored([11, 12, 13], [1, 2, 3]))
+    f("b", stored([21], [1]))
+    f("c", stored([31, 32], [9, 2]))
+    assert matched(idx, [1, 2, 3, 4]) == {"a": 3, "b": 1}
+    assert matched(idx, [1, 2], pods=["a", "c", "zz"]) == {"a": 2, "c": 0, "zz": 0}
+    assert matched(idx, [5]) == {}
+    assert idx.block_size("m") == BS
+    # chaining over two events equals one event
+    f("b", stored([22, 23], [2, 3], parent=21))
+    assert matched(idx, [1, 2, 3]) == {"a": 3, "b": 3}
+
+
+def test_removed_and_cleared_and_reset(idx):
+    f = Feed(idx)
+    f("a", stored([1, 2, 3], [1, 2, 3]))
+    f("b", stored([1, 2], [1, 2]))
+    st = f("a", BlockRemoved(block_hashes=[2]))
+    assert st.blocks_removed == 1
+    assert matched(idx, [1, 2, 3]) == {"a": 1, "b": 2}
+    f("b", AllBlocksCleared())
+    assert matched(idx, [1, 2, 3]) == {"a": 1}
+    f("a", PodReset())
+    assert matched(idx, [1]) == {}
+    f("a", stored([1], [1]))
+    f("a", PodGone())
+    assert "a" not in idx.pods() and matched(idx, [1]) == {}
+    assert len(idx) == 0
+
+
+@pytest.mark.parametrize(
+    "case,events,expect_stats,expect_match",
+    [
+        ("unknown parent", [stored([5], [5], parent=999)], {"unknown_parent": 1, "blocks_stored": 0}, {"a": 2}),
+        ("unknown removal", [BlockRemoved(block_hashes=[77, 78])], {"unknown_removed": 2}, {"a": 2}),
+        ("duplicate store", [stored([1, 2], [1, 2])], {"duplicates": 2}, {"a": 2}),
+        ("alias hash", [stored([9], [1])], {"aliases": 1}, {"a": 2}),
+        ("other block size", [BlockStored(block_hashes=[3], token_ids=[1, 2], block_size=2)], {"rejected": 1},
+         {"a": 2}),
+    ],
+)
+def test_bad_input_is_counted_not_corrupting(idx, case, events, expect_stats, expect_match):
+    f = Feed(idx)
+    f("a", stored([1, 2], [1, 2]))
+    before = idx.state()
+    st = f("a", *events)
+    for k, v in expect_stats.items():
+        assert getattr(st, k) == v, case
+    assert matched(idx, [1, 2]) == expect_match
+    if case != "alias hash":
+        assert idx.state()["pods"]["a"][4] == before["pods"]["a"][4]
+
+
+def test_alias_is_reference_counted(idx):
+    f = Feed(idx)
+    f("a", stored([1], [1]))
+    f("a", stored([9], [1]))  # another engine hash for the same tokens
+    f("a", BlockRemoved(block_hashes=[1]))
+    assert matched(idx, [1]) == {"a": 1}
+    f("a", BlockRemoved(block_hashes=[9]))
+    assert matched(idx, [1]) == {}
+
+
+def test_stale_and_out_of_order_batches(idx):
+    f = Feed(idx)
+    f("a", stored([1], [1]), seq=5)
+    assert f("a", BlockRemoved(block_hashes=[1]), seq=5).stale_batches == 1  # redelivery
+    assert f("a", BlockRemoved(block_hashes=[1]), seq=3).stale_batches == 1  # older
+    assert matched(idx, [1]) == {"a": 1}
+    assert f("a", stored([2], [2], parent=1), seq=9).gaps == 1
+    assert matched(idx, [1, 2]) == {"a": 2}
+    # a newer epoch is a restarted engine: its old blocks are gone
+    st = f("a", stored([7], [7]), epoch=1, seq=0)
+    assert st.epoch_resets == 1
+    assert matched(idx, [1]) == {} and matched(idx, [7]) == {"a": 1}
+    # a gone pod's old batches are not resurrected
+    f("a", PodGone(), epoch=1, seq=1)
+    assert f("a", stored([1], [1]), epoch=1, seq=1).stale_batches == 1
+    assert idx.pods() == {}
+
+
+def test_tiers_weighted_and_removal_per_medium(idx):
+    f = Feed(idx)
+    f("a", stored([1, 2], [1, 2]))
+    f("a", stored([2], [2], parent=1, medium="CPU"))  # offloaded copy of block 2
+    f("a", stored([3], [3], parent=2, medium="CPU"))
+    f("b", stored([1, 2, 3], [1, 2, 3], medium="CPU"))
+    m = idx.match_tokens("m", toks(1, 2, 3))
+    assert m["a"].matched_blocks == 3 and m["a"].tiers == {"GPU": 2, "CPU": 1}
+    assert m["a"].score == pytest.approx(2 * 1.0 + 0.8)
+    assert m["b"].tiers == {"CPU": 3} and m["b"].score == pytest.approx(2.4)
+    f("a", BlockRemoved(block_hashes=[2]))  # GPU copy evicted; CPU copy remains
+    m = idx.match_tokens("m", toks(1, 2, 3))
+    assert m["a"].tiers == {"GPU": 1, "CPU": 2}
+    f("a", AllBlocksCleared(medium="CPU"))
+    assert matched(idx, [1, 2, 3]) == {"a": 1, "b": 3}
+    assert idx.pods()["a"].blocks == {"GPU": 1}
+
+
+def test_predictions_merge_and_expire():
+    clock = ManualClock()
+    idx = KvIndex(clock, predicted_ttl_s=120, predict_on_route_ttl_s=2)
+    f = Feed(idx)
+    f("a", stored([1], [1]))
+    idx.record_route("m", "a", toks(1, 2, 3))  # exact pod: short TTL
+    idx.record_route("m", "x", toks(1, 2))  # approximate pod: long TTL
+    m = idx.match_tokens("m", toks(1, 2, 3, 4))
+    assert (m["a"].matched_blocks, m["a"].predicted_blocks, m["a"].tiers) == (3, 2, {"GPU": 1})
+    assert (m["x"].matched_blocks, m["x"].predicted_blocks) == (2, 2)
+    clock.advance(3)
+    assert matched(idx, [1, 2, 3]) == {"a": 1, "x": 2}
+    clock.advance(200)
+    assert matched(idx, [1, 2, 3]) == {"a": 1}
+    assert idx.pods()["x"].predicted_blocks == 0
+
+
+def test_approximate_only_cluster_uses_the_default_block_size():
+    clock = ManualClock()
+    idx = KvIndex(clock, default_block_size=BS)
+    assert idx.match_tokens("m", toks(1, 2)) == {}
+    idx.record_route("m", "x", toks(1, 2, 3))
+    m = idx.match_tokens("m", toks(1, 2, 9))["x"]
+    assert (m.matched_blocks, m.predicted_blocks, m.tiers) == (2, 2, {})
+    assert idx.block_size("m") == BS
+    assert KvIndex(clock).block_size("m") is None
+
+
+def test_silent_pods_are_left_out():
+    clock = ManualClock()
+    idx = KvIndex(clock, pod_timeout_s=30)
+    f = Feed(idx)
+    f("a", stored([1], [1]))
+    clock.advance(20)
+    f("b", stored([1], [1]))
+    clock.advance(15)
+    assert matched(idx, [1]) == {"b": 1}
+    assert idx.pods()["a"].live is False
+    f("a", BlockRemoved(block_hashes=[5]))  # any event revives it
+    assert matched(idx, [1]) == {"a": 1, "b": 1}
+
+
+def test_dump_keeps_orphans_and_tombstones(idx):
+    f = Feed(idx)
+    f("a", stored([1, 2, 3], [1, 2, 3]))
+    f("a", BlockRemoved(block_hashes=[2]))  # 3 is unreachable until 2 comes back
+    f("b", stored([1], [1]))
+    f("b", PodGone())
+    restored = KvIndex(ManualClock())
+    restored.apply_many(idx.dump())
+    assert restored == idx
+    assert matched(restored, [1, 2, 3]) == matched(idx, [1, 2, 3]) == {"a": 1}
+    assert restored.state()["gone"] == {"b": ("m", 0, 1, 1.0)}
+    for index in (idx, restored):
+        Feed(index)("a", stored([2], [2], parent=1), seq=2)
+    assert matched(restored, [1, 2, 3]) == matched(idx, [1, 2, 3]) == {"a": 3}
+
+
+# ------------------------------------------------------------------------- property tests
+
+MEDIA = [None, None, None, "CPU"]
+
+
+@st.composite
+def workloads(draw, media=tuple(MEDIA)):
+    """A random but valid per-pod event history over a small block universe."""
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    n_events = draw(st.integers(1, 40))
+    pods = ["p0", "p1", "p2"]
+    held: dict[tuple[str, str | None], dict[int, list[int]]] = {}  # (pod, medium) -> hash -> path
+    events: list[tuple[str, object]] = []
+    for _ in range(n_events):
+        pod = rng.choice(pods)
+        medium = rng.choice(media)
+        mine = held.setdefault((pod, medium), {})
+        r = rng.random()
+        if r < 0.55:
+            if mine and rng.random() < 0.6:
+                parent = rng.choice(sorted(mine))
+                path = mine[parent]
+            else:
+                parent, path = None, []
+            n = rng.randint(1, 3)
+            blocks = [rng.randint(0, 3) for _ in range(n)]
+            hashes = []
+            for b in blocks:
+                path = path + [b]
+                h = hash(tuple(path)) & 0xFFFFFFFF  # engine hash: content-defined, per prefix
+                hashes.append(h)
+                mine[h] = path
+            if len(set(hashes)) != len(hashes):
+                continue
+            events.append((pod, stored(hashes, blocks, parent=parent, medium=medium)))
+        elif r < 0.8 and mine:
+            gone = rng.sample(sorted(mine), rng.randint(1, len(mine)))
+            for h in gone:
+                mine.pop(h)
+            events.append((pod, BlockRemoved(block_hashes=gone + [rng.randint(1 << 40, 1 << 41)], medium=medium)))
+        elif r < 0.88:
+            for key in list(held):
+                if key[0] == pod and (medium is None or key[1] == medium):
+                    held[key] = {}
+            events.append((pod, AllBlocksCleared(medium=medium)))
+        elif r < 0.93:
+            for key in list(held):
+                if key[0] == pod:
+                    held[key] = {}
+            events.append((pod, PodReset()))
+        else:
+            events.append((pod, stored([rng.randint(1, 99)], [1], parent=12345678901)))  # unknown parent
+    return events
+
+
+def batches_one_by_one(events):
+    seq: dict[str, int] = {}
+    out = []
+    for pod, ev in events:
+        seq[pod] = seq.get(pod, -1) + 1
+        out.append(KvEventBatch(pod=pod, model="m", seq=seq[pod], ts=1.0, events=[ev]))
+    return out
+
+
+def batches_grouped(events):
+    """Consecutive events of the same pod in one batch; last seq equals the one-by-one count."""
+    seq: dict[str, int] = {}
+    out = []
+    group: list = []
+    cur = None
+    for pod, ev in events + [(None, None)]:
+        if pod != cur and group:
+            seq[cur] = seq.get(cur, -1) + len(group)
+            out.append(KvEventBatch(pod=cur, model="m", seq=seq[cur], ts=1.0, events=group))
+            group = []
+        cur = pod
+        if ev is not None:
+            group.append(ev)
+    return out
+
+
+def model_truth(events) -> dict[str, set[tuple[int, ...]]]:
+    """Reference: per pod, the block paths it holds reachably (any medium), by replaying naively."""
+    held: dict[tuple[str, str], dict[int, tuple]] = {}
+    for pod, ev in events:
+        if isinstance(ev, BlockStored):
+            tier = ev.medium or "GPU"
+            parent_path: tuple = ()
+            if ev.parent_block_hash is not None:
+                found = None
+                for (p, t), hs in sorted(held.items(), key=lambda kv: kv[0][1] != tier):
+                    if p == pod and ev.parent_block_hash in hs:
+                        found = hs[ev.parent_block_hash]
+                        break
+                if found is None:
+                    continue
+                parent_path = found
+            mine = held.setdefault((pod, tier), {})
+            path = parent_path
+            for i, h in enumerate(ev.block_hashes):
+                path = path + (tuple(ev.token_ids[i * BS:(i + 1) * BS]),)
+                mine[h] = path
+        elif isinstance(ev, BlockRemoved):
+            mine = held.get((pod, ev.medium or "GPU"), {})
+            for h in ev.block_hashes:
+                mine.pop(h, None)
+        elif isinstance(ev, AllBlocksCleared):
+            for key in list(held):
+                if key[0] == pod and (ev.medium is None or key[1] == ev.medium):
+                    held[key] = {}
+        elif isinstance(ev, PodReset):
+            for key in list(held):
+                if key[0] == pod:
+                    held[key] = {}
+    out: dict[str, set] = {}
+    for (pod, _), hs in held.items():
+        out.setdefault(pod, set()).update(hs.values())
+    # reachable: every proper prefix held too
+    return {p: {path for path in paths if all(path[:i] in paths for i in range(1, len(path)))}
+            for p, paths in out.items()}
+
+
+PROP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROP
+@given(workloads())
+def test_restore_of_dump_equals_original(events):
+    a = KvIndex(ManualClock())
+    a.apply_many(batches_one_by_one(events))
+    b = KvIndex(ManualClock())
+    b.apply_many(a.dump())
+    assert b == a
+    assert b.dump() == a.dump()
+
+
+@PROP
+@given(st.one_of(workloads(), workloads(media=(None,))), st.floats(0, 1))
+def test_restore_mid_stream_then_continue_equals_uninterrupted(events, where):
+    batches = batches_one_by_one(events)
+    cut = int(len(batches) * where)
+    a = KvIndex(ManualClock())
+    a.apply_many(batches)
+    b = KvIndex(ManualClock())
+    b.apply_many(batches[:cut])
+    c = KvIndex(ManualClock())
+    c.apply_many(b.dump())
+    c.apply_many(batches[cut:])
+    assert c == a
+    c.apply_many(batches)  # replaying everything again changes nothing
+    assert c == a
+
+
+@PROP
+@given(workloads())
+def test_one_batch_or_one_by_one_same_state(events):
+    a = KvIndex(ManualClock())
+    a.apply_many(batches_one_by_one(events))
+    b = KvIndex(ManualClock())
+    b.apply_many(batches_grouped(events))
+    assert a == b
+
+
+@PROP
+@given(st.one_of(workloads(), workloads(media=(None,))))
+def test_matches_agree_with_naive_replay_and_removed_never_reported(events):
+    idx = KvIndex(ManualClock())
+    idx.apply_many(batches_one_by_one(events))
+    truth = model_truth(events)
+    paths = set()
+    for ps in truth.values():
+        paths |= ps
+    paths |= {(tuple(toks(b)),) for b in range(4)}
+    for path in paths:
+        tokens = [t for blk in path for t in blk]
+        got = idx.match_tokens("m", tokens)
+        for pod in ("p0", "p1", "p2"):
+            expect = 0
+            for i in range(1, len(path) + 1):
+                if path[:i] in truth.get(pod, set()):
+                    expect = i
+                else:
+                    break
+            assert (got[pod].matched_blocks if pod in got else 0) == expect, (pod, path)
