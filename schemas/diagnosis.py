@@ -41,3 +41,4 @@ class Diagnosis(Event):
     first_seen: float = Field(ge=0)
     last_seen: float = Field(ge=0)
     pods: list[str] = Field(default_factory=list)
+    revision: int = Field(default=0, ge=0, description="1 for the opening message, +1 per update/resolution")
