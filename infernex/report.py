@@ -25,6 +25,11 @@ class StrategyResult:
     overlap_share: float | None = None  # chosen overlap / best available overlap, over requests
     busy_spread: float | None = None  # max / mean busy time per engine
     extra: dict = field(default_factory=dict)
+    engine_hit_rate: float | None = None  # prefix-cache hits / queries counted by the engines (prefill side)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.engine_hit_rate if self.engine_hit_rate is not None else self.summary.hit_rate
 
 
 def _ms(v: float | None) -> str:
@@ -45,7 +50,7 @@ COLUMNS = [
     ("ITL p99 ms", lambda r: _ms(r.summary.itl_p99_s)),
     ("req/s", lambda r: _f(r.summary.throughput_rps)),
     ("out tok/s", lambda r: _f(r.summary.output_tokens_per_s, "{:.0f}")),
-    ("hit rate", lambda r: _f(r.summary.hit_rate, "{:.1%}")),
+    ("hit rate", lambda r: _f(r.hit_rate, "{:.1%}")),
     ("load spread", lambda r: _f(r.busy_spread if r.busy_spread is not None else r.summary.load_spread)),
     ("overlap chosen/best", lambda r: _f(r.overlap_share, "{:.1%}")),
 ]
@@ -80,7 +85,7 @@ def plot_png(results: list[StrategyResult], title: str) -> bytes:
         axes[0].plot(names, vals, marker="o", label=f"p{q}")
     axes[0].set_title("TTFT (ms)")
     axes[0].legend()
-    axes[1].bar(names, [(r.summary.hit_rate or 0) * 100 for r in results], color="#4c72b0")
+    axes[1].bar(names, [(r.hit_rate or 0) * 100 for r in results], color="#4c72b0")
     axes[1].set_title("prefix cache hit rate (%)")
     axes[2].bar(names, [r.busy_spread if r.busy_spread is not None else (r.summary.load_spread or 0)
                         for r in results], color="#dd8452")
@@ -121,7 +126,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}td:first-child{{t
     (out_dir / "report.html").write_text(page)
     data = [
         {"strategy": r.strategy, "summary": r.summary.model_dump(), "overlap_share": r.overlap_share,
-         "busy_spread": r.busy_spread, **({"extra": r.extra} if r.extra else {})}
+         "busy_spread": r.busy_spread, "hit_rate": r.hit_rate, **({"extra": r.extra} if r.extra else {})}
         for r in results
     ]
     (out_dir / "results.json").write_text(json.dumps(data, indent=2))

@@ -31,7 +31,7 @@ REQ = RoutingRequest(model="m", token_ids=list(range(64)), prompt_tokens=64)
                             B("open", circuit_open=True), B("drain", draining=True)], REQ, {}, ["ok", "warn"]),
     ("healthy-filter", {}, [B("a"), B("b")], RoutingRequest(model="m", exclude=frozenset({"a"})), {}, ["b"]),
     ("not-busy-filter", {"kv_usage_threshold": 0.9, "max_waiting": 4},
-     [B("a", kv_usage=0.5), B("kv", kv_usage=0.95), B("q", waiting=4), B("pp", pending_prefill_tokens=70000)],
+     [B("a", kv_usage=0.5), B("kv", kv_usage=0.95), B("q", waiting=4), B("pp", pending_prefill_tokens=300_000)],
      REQ, {}, ["a"]),
     ("lora-filter", {}, [B("a"), B("b", loras=frozenset({"sql"}))], RoutingRequest(model="m", lora="sql"), {}, ["b"]),
     ("lora-filter", {}, [B("a"), B("b")], REQ, {}, ["a", "b"]),

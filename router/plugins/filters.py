@@ -79,7 +79,9 @@ class HealthyFilter(Filter):
 class BusyParams(_P):
     kv_usage_threshold: float = Field(default=0.95, gt=0, le=1)
     max_waiting: float = Field(default=64, gt=0)
-    max_pending_prefill_tokens: int = Field(default=65536, gt=0)
+    # uncached prompt tokens waiting for their first token; long-context traces (Mooncake: 15-22k
+    # tokens a prompt) need room for a few such prompts per engine before it counts as busy
+    max_pending_prefill_tokens: int = Field(default=262144, gt=0)
 
 
 @register

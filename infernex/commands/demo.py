@@ -1,0 +1,53 @@
+"""``infernex demo``: the one-machine showcase (see :mod:`infernex.demo`)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def demo(
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Mooncake-format trace (default: the shared one)"),
+    requests: int = typer.Option(200, "--requests", "-n", help="requests replayed per strategy"),
+    offset: Optional[int] = typer.Option(None, "--offset", help="first trace row (default: the last N rows)"),
+    time_scale: float = typer.Option(4.0, "--time-scale", help="simulated time runs K x faster than wall time"),
+    engines: int = typer.Option(4, "--engines", help="aggregated engines (plus the PD group)"),
+    prefill: int = typer.Option(2, "--prefill", help="prefill engines of the PD group"),
+    decode: int = typer.Option(2, "--decode", help="decode engines of the PD group"),
+    strategies: list[str] = typer.Option(["round-robin", "least-load", "kv-aware", "pd-kv-aware"], "--strategy", "-s",
+                                         help="strategies to compare (repeat)"),
+    max_output_tokens: int = typer.Option(64, "--max-output-tokens", help="cap on generated tokens per request"),
+    out: Path = typer.Option(Path("infernex-demo"), "--out", help="report directory"),
+) -> None:
+    """Start NATS, simulated engines, KV bridges, indexer and router; replay a trace slice under
+    several strategies; print a comparison and write a report (PNG + HTML)."""
+    from infernex.demo import DEFAULT_TRACE, DemoConfig, run_demo
+
+    cfg = DemoConfig(trace=trace or DEFAULT_TRACE, requests=requests, offset=offset, time_scale=time_scale,
+                     engines=engines, prefill=prefill, decode=decode, strategies=list(strategies),
+                     max_output_tokens=max_output_tokens, out=out)
+    if not cfg.trace.is_file():
+        console.print(f"[red]trace {cfg.trace} not found; pass --trace FILE[/red]")
+        raise typer.Exit(2)
+
+    async def go():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_demo(cfg, console, stop)
+
+    result = asyncio.run(go())
+    if not result["results"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(demo)
