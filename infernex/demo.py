@@ -30,10 +30,10 @@ POOL = "demo"
 @dataclass
 class DemoConfig:
     trace: Path = DEFAULT_TRACE
-    requests: int = 200
+    requests: int = 150
     offset: int | None = None  # default: the last ``requests`` rows (the trace's prefix reuse grows over time)
     time_scale: float = 4.0
-    engines: int = 4  # aggregated; with the 2P2D group, eight engines in all
+    engines: int = 8  # aggregated engines; the PD group comes on top
     prefill: int = 2
     decode: int = 2
     strategies: list[str] = field(default_factory=lambda: ["round-robin", "least-load", "kv-aware", "pd-kv-aware"])

@@ -15,10 +15,10 @@ console = Console()
 
 def demo(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Mooncake-format trace (default: the shared one)"),
-    requests: int = typer.Option(200, "--requests", "-n", help="requests replayed per strategy"),
+    requests: int = typer.Option(150, "--requests", "-n", help="requests replayed per strategy"),
     offset: Optional[int] = typer.Option(None, "--offset", help="first trace row (default: the last N rows)"),
     time_scale: float = typer.Option(4.0, "--time-scale", help="simulated time runs K x faster than wall time"),
-    engines: int = typer.Option(4, "--engines", help="aggregated engines (plus the PD group)"),
+    engines: int = typer.Option(8, "--engines", help="aggregated engines (the PD group comes on top)"),
     prefill: int = typer.Option(2, "--prefill", help="prefill engines of the PD group"),
     decode: int = typer.Option(2, "--decode", help="decode engines of the PD group"),
     strategies: list[str] = typer.Option(["round-robin", "least-load", "kv-aware", "pd-kv-aware"], "--strategy", "-s",
