@@ -229,6 +229,13 @@ Handler = Callable[[list[Msg]], Awaitable[None]]
 async def ensure_durable(js: JetStreamContext, stream: str, durable: str, filter_subject: str | None,
                          *, ack_wait_s: float = 30.0, max_ack_pending: int = 20000,
                          deliver_policy: DeliverPolicy = DeliverPolicy.ALL) -> None:
+    """Create the durable consumer unless it exists; an existing one is left as it is (its
+    position, and any start point it was re-pointed to, are the durable state to keep)."""
+    try:
+        await js.consumer_info(stream, durable)
+        return
+    except NotFoundError:
+        pass
     cfg = ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.EXPLICIT,
