@@ -14,6 +14,8 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+
+from infernex.commands.common import run_async as _run
 from rich.table import Table
 
 from consumers import bus
@@ -54,14 +56,6 @@ async def _info(settings: Settings):
         return await bus.topology_info(nc.jetstream(), _topology(settings))
     finally:
         await nc.drain()
-
-
-def _run(coro):
-    try:
-        return asyncio.run(coro)
-    except ConnectionError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
 
 
 @streams_app.command("apply")

@@ -13,6 +13,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from infernex.commands.common import run_async as _run
+
 err = Console(stderr=True)
 out = Console()
 log = logging.getLogger(__name__)
@@ -34,14 +36,6 @@ def _stop_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def _run(coro):
-    try:
-        return asyncio.run(coro)
-    except ConnectionError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
 
 
 def _serve_metrics(port: Optional[int], registry) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from infernex.commands.common import run_async
 from rich.console import Console
 
 console = Console()
@@ -78,14 +80,7 @@ def _settings(ctx):
 
 
 def _run(coro):
-    try:
-        return asyncio.run(coro)
-    except ConnectionError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    except ValueError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    return run_async(coro, value_errors=True)
 
 
 @replay_app.command("state")
