@@ -22,7 +22,7 @@ from rich.console import Console
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "simulator" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
 MODEL = "sim-model"
 POOL = "demo"
 

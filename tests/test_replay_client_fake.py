@@ -15,6 +15,8 @@ from simulator.workloads.testing import FakeOpenAI
 from simulator.workloads.trace import TraceRow, write_trace
 
 SHARED = Path(__file__).parents[1] / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+if not SHARED.is_file():  # a checkout without ../shared: the same trace, bundled (gzipped)
+    SHARED = Path(__file__).resolve().parents[1] / "simulator" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def row(ts_ms, hash_ids, n, out):

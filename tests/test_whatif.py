@@ -14,6 +14,8 @@ from simulator.workloads import load_trace
 from simulator.workloads.trace import TraceRow
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+if not TRACE.is_file():  # a checkout without ../shared: the same trace, bundled (gzipped)
+    TRACE = Path(__file__).resolve().parents[1] / "simulator" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def _conversations(n_convs=13, turns=5, blocks=6) -> list[TraceRow]:

@@ -14,6 +14,8 @@ import pytest
 from simulator.workloads.trace import TraceFormatError, TraceRow, iter_trace, load_trace, trace_stats, write_trace
 
 SHARED = Path(__file__).parents[1] / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+if not SHARED.is_file():  # a checkout without ../shared: the same trace, bundled (gzipped)
+    SHARED = Path(__file__).resolve().parents[1] / "simulator" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def _raw_lines(path: Path) -> list[dict]:
