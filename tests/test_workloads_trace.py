@@ -19,7 +19,10 @@ if not SHARED.is_file():  # a checkout without ../shared: the same trace, bundle
 
 
 def _raw_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    import gzip
+
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 @pytest.mark.skipif(not SHARED.is_file(), reason=f"shared trace not present at {SHARED}")
