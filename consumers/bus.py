@@ -286,3 +286,21 @@ async def run_durable(
             await sub.unsubscribe()
         except Exception:  # noqa: BLE001 - best effort on shutdown
             pass
+
+
+async def cancel_task(task: asyncio.Task | None, *, timeout: float = 5.0) -> None:
+    """Cancel ``task`` and wait until it has really ended.
+
+    On Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that races with the inner
+    operation finishing (fixed in 3.12); a task hit that way carries on and then waits forever.
+    So cancel again until it is done, for up to ``timeout`` seconds.
+    """
+    if task is None or task.done():
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.done():
+        log.warning("task %s did not end within %.1fs of being cancelled", task.get_name(), timeout)

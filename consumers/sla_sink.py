@@ -300,8 +300,7 @@ class SlaSink:
         finally:
             stop.set()
             for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                await bus.cancel_task(t)
             try:
                 await self.flush_all()
             except Exception as exc:  # noqa: BLE001 - unacked rows are redelivered next start

@@ -175,7 +175,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             t = time.monotonic()
             res = await replay(rows, url, model=MODEL, time_scale=1.0 / cfg.time_scale,
                                concurrency=cfg.concurrency, stop=stop, timeout_s=120)
-            await app.stop(drain=True)
+            await _bounded(app.stop(drain=True), "router", timeout=45)
             await _wait(lambda: len(records) - n_before >= len(rows) or stop.is_set(), 10, "request records")
             mine = records[n_before:]
             best = sum(r.best_overlap_blocks for r in mine)

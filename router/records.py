@@ -88,10 +88,7 @@ class BusRecordSink(RecordSink):
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        from consumers.bus import cancel_task
+
+        await cancel_task(self._task)
+        self._task = None

@@ -193,13 +193,10 @@ class RouterService:
             return False
 
     async def stop(self) -> None:
+        from consumers.bus import cancel_task
+
         for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-                pass
+            await cancel_task(t)
         self._tasks.clear()
         if self._runner is not None:
             await self._runner.cleanup()

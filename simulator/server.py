@@ -251,11 +251,13 @@ class SimEngine:
         if self.peers.get(self.engine_id) is self:
             del self.peers[self.engine_id]
         if self._driver is not None:
-            self._driver.cancel()
-            try:
-                await self._driver
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-                pass
+            # cancel until it is really done: on Python 3.11 a cancellation racing with a
+            # finishing wait_for can be swallowed, leaving the task running
+            for _ in range(50):
+                if self._driver.done():
+                    break
+                self._driver.cancel()
+                await asyncio.wait({self._driver}, timeout=0.1)
         for q in self._streams.values():
             q.put_nowait(None)
         if self._runner is not None:

@@ -13,6 +13,14 @@ from rich.console import Console
 console = Console()
 
 
+def _dump_tasks() -> None:
+    import sys
+
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+
+
 def demo(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Mooncake-format trace (default: the shared one)"),
     requests: int = typer.Option(150, "--requests", "-n", help="requests replayed per strategy"),
@@ -42,6 +50,7 @@ def demo(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: where is it waiting?
         return await run_demo(cfg, console, stop)
 
     result = asyncio.run(go())
