@@ -58,7 +58,7 @@ EP = '{model_name=~"$model",pod=~"$pod"}'
 ROUTER = Dashboard(
     uid="infernex-router",
     title="InferNex / Router overview",
-    description="hermes-router: request rate, latency, errors, strategy mix, picks and rejections.",
+    description="hermes-router: request rate, latency, errors, strategy mix, regret, picks and rejections.",
     variables=[],
     panels=[
         Panel("Requests per second by outcome", [
@@ -82,6 +82,14 @@ ROUTER = Dashboard(
         Panel("Picks per backend", [
             (f"sum by (pod, stage) (rate(infernex_router_picks_total[{RI}]))", "{{pod}} {{stage}}")],
             unit="ops", description="How the strategy spreads work; prefill and decode picks for PD."),
+        Panel("Routing regret (cached blocks left on the table)", [
+            (q(0.5, "infernex_router_regret_blocks"), "p50"),
+            (q(0.99, "infernex_router_regret_blocks"), "p99")], unit="short",
+            description="Best cached prefix any backend had minus the chosen backend's, per request."),
+        Panel("Share of the best available overlap chosen", [
+            (f'sum(rate(infernex_router_overlap_blocks_total{{kind="chosen"}}[{RI}]))'
+             f' / sum(rate(infernex_router_overlap_blocks_total{{kind="best"}}[{RI}]))', "chosen / best")],
+            unit="percentunit"),
         Panel("Decision latency", [
             (q(0.5, "infernex_router_decision_seconds"), "p50"),
             (q(0.99, "infernex_router_decision_seconds"), "p99")], unit="s"),

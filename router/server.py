@@ -113,6 +113,13 @@ class RouterMetrics:
         self.inflight = Gauge("infernex_router_inflight_requests", "Requests in flight", registry=registry)
         self.rejected = Counter("infernex_router_rejected_total", "Requests refused", ["reason"],
                                 registry=registry)
+        self.regret = Histogram("infernex_router_regret_blocks",
+                                "Best cached prefix any backend had minus the one chosen, in blocks",
+                                ["strategy"], registry=registry,
+                                buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+        self.overlap = Counter("infernex_router_overlap_blocks_total",
+                               "Cached prefix blocks: the best any backend had, and the chosen one's",
+                               ["strategy", "kind"], registry=registry)
 
 
 class RouterService:
@@ -510,6 +517,10 @@ class RouterService:
 
     def _note_route(self, flow: _Flow, d: Decision) -> None:
         t = d.target
+        name = self.router.strategy.name
+        self.metrics.regret.labels(name).observe(max(0, d.best_overlap_blocks - d.chosen_overlap_blocks))
+        self.metrics.overlap.labels(name, "best").inc(d.best_overlap_blocks)
+        self.metrics.overlap.labels(name, "chosen").inc(d.chosen_overlap_blocks)
         if d.prefill is not None:
             flow.prefill_pod = d.prefill.pod
             flow.decode_pod = t.pod
