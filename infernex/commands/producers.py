@@ -149,6 +149,7 @@ def collect_devices(
     sim_kind: str = typer.Option("npu", "--sim-kind", help="(sim) npu or gpu"),
     seed: int = typer.Option(0, "--seed", help="(sim) random seed"),
     fault: list[str] = typer.Option([], "--fault", help="(sim) DEVICE:KIND@START[+DURATION], seconds from now"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
 ) -> None:
     """Read device telemetry in its real format and publish it."""
     from prometheus_client import CollectorRegistry
@@ -162,12 +163,14 @@ def collect_devices(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     settings = _settings(ctx)
+    registry = CollectorRegistry()
+    _serve_metrics(metrics_port, registry)
 
     async def go():
         nc = await bus.connect(settings.nats, name="infernex-device-collector")
         try:
             col = DeviceCollector(reader, nc.jetstream(), node=node, source=source,
-                                  subject_prefix=settings.nats.subject_prefix, registry=CollectorRegistry())
+                                  subject_prefix=settings.nats.subject_prefix, registry=registry)
             if once:
                 return col, await col.collect_once()
             await col.run(_stop_event(), interval)
