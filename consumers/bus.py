@@ -304,3 +304,17 @@ async def cancel_task(task: asyncio.Task | None, *, timeout: float = 5.0) -> Non
         await asyncio.wait({task}, timeout=0.1)
     if not task.done():
         log.warning("task %s did not end within %.1fs of being cancelled", task.get_name(), timeout)
+
+
+async def run_periodically(tick: Callable[[], Awaitable[object]], stop: asyncio.Event, interval_s: float) -> None:
+    """Call ``tick`` every ``interval_s`` (measured start to start) until ``stop`` is set."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        started = loop.time()
+        await tick()
+        left = interval_s - (loop.time() - started)
+        if left > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), left)
+            except asyncio.TimeoutError:
+                pass

@@ -195,12 +195,4 @@ class MetricsCollector:
         return out
 
     async def run(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            await self.scrape_once()
-            left = interval_s - (time.monotonic() - started)
-            if left > 0:
-                try:
-                    await asyncio.wait_for(stop.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+        await bus.run_periodically(self.scrape_once, stop, interval_s)
