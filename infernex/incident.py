@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -37,7 +37,6 @@ from schemas import (
     ValidationFailure,
     decode_event,
 )
-from schemas import subjects as S
 from schemas.registry import model_for_subject
 from streams.clock import ManualClock
 from streams.health import HealthState

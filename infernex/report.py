@@ -10,7 +10,7 @@ import base64
 import html
 import io
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.table import Table
