@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
@@ -18,18 +15,8 @@ from schemas import subjects as S
 from simulator.kv_publisher import KvEventPublisher, block_stored
 from streams.topology import stream_for_subject
 
-INFERNEX = str(Path(sys.executable).parent / "infernex")
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+from proctools import INFERNEX
+from proctools import stop_process as _stop
 
 
 async def test_cli_bridge_publishes_batches(nats_server, prefix, nc, topology):

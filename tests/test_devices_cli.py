@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
@@ -15,18 +12,8 @@ from consumers.device_collector import make_reader
 from consumers.parsers import parse_npu_exporter
 from infernex.embedded_nats import free_port
 
-INFERNEX = str(Path(sys.executable).parent / "infernex")
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+from proctools import INFERNEX
+from proctools import stop_process as _stop
 
 
 async def test_cli_sim_devices_serves_npu_exporter_text():
