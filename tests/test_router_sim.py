@@ -62,6 +62,13 @@ async def test_prefix_sharing_requests_go_to_the_pod_holding_them(nats_config, t
         picks = app.service.metrics.picks
         assert picks.labels(holder, "aggregated")._value.get() == 7  # the first request and all six sharers
         assert all(c >= 320 for c in cached)  # the engine really reused the prefix
+        reg = app.registry
+        best = reg.get_sample_value("infernex_router_overlap_blocks_total", {"strategy": "kv-aware", "kind": "best"})
+        chosen = reg.get_sample_value("infernex_router_overlap_blocks_total",
+                                      {"strategy": "kv-aware", "kind": "chosen"})
+        assert best >= 6 * 20 and chosen == best  # no regret: every sharer went to the holder
+        assert reg.get_sample_value("infernex_router_regret_blocks_count", {"strategy": "kv-aware"}) == 7
+        assert reg.get_sample_value("infernex_router_regret_blocks_sum", {"strategy": "kv-aware"}) == 0
     finally:
         if app is not None:
             await app.stop(drain=False)
