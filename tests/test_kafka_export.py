@@ -71,29 +71,29 @@ async def _publish(js, prefix, seqs):
         await bus.publish(js, S.with_prefix(prefix, S.kv_events("m", "pod.1")), b.to_json(), msg_id=b.msg_id)
 
 
+async def _export_until(cfg: KafkaExportConfig, nats_config, n: int) -> KafkaExporter:
+    """Run an exporter until it has mirrored ``n`` messages (or 30 s passed), then stop it."""
+    exporter = KafkaExporter(cfg, nats_config)
+    task = asyncio.create_task(exporter.run())
+    deadline = time.monotonic() + 30
+    while exporter.count < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    exporter.stop()
+    await asyncio.wait_for(task, 20)
+    return exporter
+
+
 async def test_export_survives_restart_without_gap(kafka, nc, nats_config, prefix, topology):
     js = nc.jetstream()
     cfg = KafkaExportConfig(bootstrap=kafka, subjects=("kv.events.>",), topic_prefix=prefix, batch=20)
     await _publish(js, prefix, range(0, 50))
 
-    exporter = KafkaExporter(cfg, nats_config)
-    task = asyncio.create_task(exporter.run())
-    deadline = time.monotonic() + 30
-    while exporter.count < 50 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+    exporter = await _export_until(cfg, nats_config, 50)
     assert exporter.count == 50
-    exporter.stop()
-    await asyncio.wait_for(task, 20)
 
     # published while the exporter is down; a new exporter resumes from the durable consumer
     await _publish(js, prefix, range(50, 120))
-    exporter2 = KafkaExporter(cfg, nats_config)
-    task2 = asyncio.create_task(exporter2.run())
-    deadline = time.monotonic() + 30
-    while exporter2.count < 70 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    exporter2.stop()
-    await asyncio.wait_for(task2, 20)
+    exporter2 = await _export_until(cfg, nats_config, 70)
     assert exporter2.count == 70  # resumed exactly at the first unexported message
 
     records = await _read_all(kafka, f"{prefix}.kv.events", 120)
@@ -110,13 +110,7 @@ async def test_envelope_format(kafka, nc, nats_config, prefix, topology):
     await _publish(js, prefix, range(3))
     cfg = KafkaExportConfig(bootstrap=kafka, subjects=("kv.events.>",), topic_prefix=prefix + "env",
                             value_format="envelope", durable="env")
-    exporter = KafkaExporter(cfg, nats_config)
-    task = asyncio.create_task(exporter.run())
-    deadline = time.monotonic() + 30
-    while exporter.count < 3 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    exporter.stop()
-    await asyncio.wait_for(task, 20)
+    await _export_until(cfg, nats_config, 3)
     records = await _read_all(kafka, f"{prefix}env.kv.events", 3)
     env = json.loads(records[0].value)
     assert env["subject"] == "kv.events.m.pod%2E1" and env["payload"]["pod"] == "pod.1" and env["stream_seq"] == 1
