@@ -7,6 +7,9 @@ API server, not applied).
 
 Current replicas come from the scale subresource when a target is configured, otherwise from the
 last desired count (dry-run assumes hints are applied), starting at the policy's minimum.
+
+A restarted planner is not cold: :meth:`PlannerService.warm_up` reads the last intervals back from
+the SLA history (predictors) and the hints it published (scaler windows, last desired counts).
 """
 
 from __future__ import annotations
@@ -155,7 +158,40 @@ class PlannerService:
             await self.publish(hint)
         return hint
 
+    async def warm_up(self) -> int:
+        """Rebuild what a restart lost from the SLA history: feed the predictors the last
+        ``warmup_intervals`` intervals, and give each scaler its recent recommendations and each
+        role its last desired count from the published hints. Returns the intervals read."""
+        n = self.pcfg.warmup_intervals
+        if n <= 0 or not self.planners:
+            return 0
+        now = self.clock.now()
+        interval = self.pcfg.interval_s
+        for k in range(n, 0, -1):
+            since, until = now - k * interval, now - (k - 1) * interval
+            rows = await asyncio.to_thread(sla_queries.sla_summary, self.store, since, until,
+                                           targets=self.cfg.targets)
+            for pool, planner in self.planners.items():
+                planner.observe(observation([r for r in rows if r["pool"] == pool], interval))
+        horizon = max((self.planners[p].cfg.policy_for(r).scale_down_window_s for p in self.planners
+                       for r in self.planners[p].cfg.roles), default=0.0)
+        hints = await asyncio.to_thread(sla_queries.recent_hints, self.store, now - max(horizon, n * interval))
+        for h in hints:  # ordered by pool, role, ts
+            planner = self.planners.get(h["pool"])
+            if planner is None or h["role"] not in planner.scalers:
+                continue
+            rec = h["inputs"].get("recommended", h["desired"])
+            planner.scalers[h["role"]].remember(h["ts"], int(rec), h["current"])
+            self.current[(h["pool"], h["role"])] = h["desired"]
+        log.info("planner warmed up from %d past intervals and %d hints", n, len(hints))
+        return n
+
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self.warm_up()
+        except Exception as exc:  # noqa: BLE001 - start cold rather than not at all
+            self.errors.labels("warmup").inc()
+            log.error("planner warm-up from the SLA history failed: %s; starting cold", exc)
         while not stop.is_set():
             try:
                 await self.tick()

@@ -196,6 +196,9 @@ class PlannerConfig(_Model):
     pools: list[PoolPlanConfig] = Field(default_factory=list)
     dry_run: bool = Field(default=True, description="publish hints only; never patch Kubernetes")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0: no /metrics server")
+    warmup_intervals: int = Field(
+        default=10, ge=0, le=1000,
+        description="past intervals read from the SLA history at start to warm the predictors (0: start cold)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +501,12 @@ class ReplicaScaler:
             reasons.append(f"bounded to [{p.min_replicas}, {p.max_replicas}]")
         return ScaleDecision(current, rec, bounded, "panic" if panic else "stable", "; ".join(reasons))
 
+    def remember(self, t: float, recommended: int, current: int) -> None:
+        """Restore one past recommendation (from published hints) after a restart, oldest first."""
+        if self._started is None:
+            self._started = (float(t), int(current))
+        self._history.append((float(t), max(0, int(recommended))))
+
     def dump(self) -> dict:
         return {"history": list(self._history), "panic_until": self._panic_until}
 
@@ -536,13 +545,20 @@ class PoolPlanner:
         self._last_isl = 0.0
         self._last_osl = 0.0
 
-    def apply(self, obs: Observation, current: dict[str, int], now: float) -> list[RolePlan]:
+    def observe(self, obs: Observation) -> None:
+        """Feed one interval to the predictors without planning (also used to warm them up)."""
         self._pred["rate"].apply(obs.rate)
         # lengths are only meaningful when requests arrived; keep the last known otherwise
         if obs.rate > 0:
             self._last_isl, self._last_osl = obs.isl, obs.osl
         self._pred["isl"].apply(self._last_isl)
         self._pred["osl"].apply(self._last_osl)
+
+    def predicted(self) -> dict[str, float]:
+        return {k: p.predict() for k, p in self._pred.items()}
+
+    def apply(self, obs: Observation, current: dict[str, int], now: float) -> list[RolePlan]:
+        self.observe(obs)
         rate = self._pred["rate"].predict()
         isl = self._pred["isl"].predict()
         osl = self._pred["osl"].predict()

@@ -122,3 +122,30 @@ async def test_scale_subresource_is_patched_through_kubernetes_client(store, kmo
     assert nxt["decode"].current == hints["decode"].desired
     assert len(patches()) == len(dry) + 2  # same load, same counts: no new patch
     api.close()
+
+
+async def test_a_restarted_planner_warms_up_from_the_sla_history(store):
+    now = float(int(time.time()) - 60)
+    for k, rate in ((3, 10), (2, 20), (1, 40)):
+        _load(store, now - 30 * k, 30, rate)
+    cfg = _cfg()
+    role = cfg.planner.pools[0].roles[0]
+    store.insert_json_each_row("scaling_hints", [json.dumps({
+        "pool": "pool-a", "role": role, "ts": now - 20, "current": 3, "desired": 5, "reason": "before restart",
+        "predictor": "constant", "mode": "stable", "inputs": json.dumps({"recommended": 6.0}),
+    }).encode()])
+
+    cold = PlannerService(store, cfg.model_copy(update={"planner": cfg.planner.model_copy(
+        update={"warmup_intervals": 0})}), clock=ManualClock(now))
+    assert await cold.warm_up() == 0
+    assert cold.planners["pool-a"].predicted()["rate"] == 0.0
+    assert await cold._current("pool-a", role) == 1  # the policy's minimum
+
+    warm = PlannerService(store, cfg.model_copy(update={"planner": cfg.planner.model_copy(
+        update={"warmup_intervals": 3})}), clock=ManualClock(now))
+    assert await warm.warm_up() == 3
+    # the constant predictor forecasts the last interval it saw: the newest one before the restart
+    assert warm.planners["pool-a"].predicted()["rate"] == pytest.approx(40.0)
+    assert warm.planners["pool-a"].predicted()["isl"] == pytest.approx(512.0)
+    assert await warm._current("pool-a", role) == 5
+    assert list(warm.planners["pool-a"].scalers[role]._history) == [(now - 20, 6)]
