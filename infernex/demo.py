@@ -12,6 +12,7 @@ engines' busy time. Everything it started is stopped at the end, also on Ctrl-C.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
@@ -43,15 +44,23 @@ class DemoConfig:
     max_output_tokens: int = 64
     out: Path = Path("infernex-demo")
     concurrency: int = 64
+    # the rest of the control plane: engine-metrics and device collectors, the diagnosis engine and
+    # the SLA sink (embedded ClickHouse); then an incident: a critical NPU fault under one engine
+    services: bool = True
+    incident: bool = True
+    incident_requests: int = 40
 
 
-async def _wait(cond, timeout: float, what: str, interval: float = 0.05) -> None:
+async def _wait(cond, timeout: float, what: str, interval: float = 0.05, *, required: bool = True) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
-            return
+            return True
         await asyncio.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what}")
+    if required:
+        raise TimeoutError(f"timed out waiting for {what}")
+    log.warning("timed out waiting for %s; going on with what arrived", what)
+    return False
 
 
 async def _bounded(aw, what: str, timeout: float = 10.0, cancel: list | None = None) -> None:
@@ -85,6 +94,15 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
     from simulator.workloads.metrics import summarize
     from streams.topology import build_topology, stream_for_subject
 
+    from consumers.device_collector import DeviceCollector, make_reader
+    from consumers.diagnosis import DiagnosisService
+    from consumers.metrics_collector import MetricsCollector, Target
+    from consumers.sla_sink import SlaSink
+    from consumers.sla_store import SlaConfig, open_store
+    from schemas import Diagnosis
+    from simulator.devices import SimulatedNode
+    from streams.diagnosis.rules import DiagnosisConfig
+
     console = console or Console()
     stop = stop or asyncio.Event()
     t_start = time.monotonic()
@@ -108,6 +126,12 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
     bridges_stop = asyncio.Event()
     nc = None
     indexer = None
+    diagnosis = None
+    sla_store = None
+    sink_task = None
+    windows: dict[str, tuple[float, float]] = {}
+    findings: list = []
+    incident: dict = {}
     results: list[StrategyResult] = []
     try:
         server.start()
@@ -139,6 +163,38 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
         indexer = IndexerService(IndexerConfig(http_port=0, snapshot_on_stop=False), nats_cfg, registry=registry)
         await indexer.start()
         console.print(f"  {len(cluster)} KV bridges, indexer (HTTP :{indexer.http_port})")
+
+        node = None
+        if cfg.services:
+            # engine metrics -> the router's load state; device telemetry -> diagnosis -> health;
+            # request records and metrics -> ClickHouse (chDB, under the report directory)
+            targets = [Target(url=f"{h.url}/metrics", pod=h.engine_id, role=roles[h.engine_id], model=MODEL) for h in cluster.engines]
+            collector = MetricsCollector(targets, js, registry=CollectorRegistry())
+            tasks.append(asyncio.create_task(collector.run(bridges_stop, 1.0)))
+            node = SimulatedNode("demo-node", len(cluster.engines), "npu", seed=0,
+                                 pods={str(i): [h.engine_id] for i, h in enumerate(cluster.engines)})
+            devices = DeviceCollector(make_reader("sim", node.node, sim_node=node), js, node=node.node, source="sim",
+                                      registry=CollectorRegistry())
+            tasks.append(asyncio.create_task(devices.run(bridges_stop, 1.0)))
+            diagnosis = DiagnosisService(nats_cfg, DiagnosisConfig(start="all", adopt_window_s=0),
+                                         registry=CollectorRegistry())
+            await diagnosis.start()
+
+            async def on_finding(msg) -> None:
+                try:
+                    findings.append(decode_event(Diagnosis, msg.data))
+                except Exception:  # noqa: BLE001 - the demo only lists what it can read
+                    pass
+
+            await nc.subscribe(S.ALL_DIAGNOSIS, cb=on_finding)
+            chdb_dir = cfg.out / "chdb"
+            shutil.rmtree(chdb_dir, ignore_errors=True)
+            sla_cfg = SlaConfig(chdb_path=chdb_dir, flush_interval_s=0.5)
+            sla_store = open_store(sla_cfg)
+            sink = SlaSink(js, sla_store, sla_cfg, topology=topo, registry=CollectorRegistry())
+            sink_task = asyncio.create_task(sink.run(bridges_stop))
+            console.print("  engine-metrics and NPU telemetry collectors, diagnosis engine, SLA sink "
+                          f"(chDB at {chdb_dir})")
 
         records: list[RequestRecord] = []
 
@@ -173,10 +229,13 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             n_before = len(records)
             console.print(f"  [cyan]{strategy}[/cyan]: router at {url}, replaying ...")
             t = time.monotonic()
+            t_wall = time.time()
             res = await replay(rows, url, model=MODEL, time_scale=1.0 / cfg.time_scale,
                                concurrency=cfg.concurrency, stop=stop, timeout_s=120)
             await _bounded(app.stop(drain=True), "router", timeout=45)
-            await _wait(lambda: len(records) - n_before >= len(rows) or stop.is_set(), 10, "request records")
+            # records are published off the request path (bounded buffer): count what arrived
+            await _wait(lambda: len(records) - n_before >= len(rows) or stop.is_set(), 15, "request records",
+                        required=False)
             mine = records[n_before:]
             best = sum(r.best_overlap_blocks for r in mine)
             chosen = sum(r.chosen_overlap_blocks for r in mine)
@@ -193,9 +252,21 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                                           {"wall_s": time.monotonic() - t, "records": len(mine)},
                                           engine_hit_rate=hits / queries if queries else None))
             res.write(cfg.out / f"replay-{strategy}.json")
+            windows[strategy] = (t_wall, time.time())
             console.print(f"    {summary.ok}/{summary.requests} ok in {time.monotonic() - t:.1f}s, "
                           f"prefix cache hit rate {results[-1].hit_rate or 0:.1%}")
+        if cfg.services and cfg.incident and node is not None and results and not stop.is_set():
+            incident = await _incident(cfg, cluster, node, rows, backends, nats_cfg, findings, records, console)
         await rec_sub.unsubscribe()
+        sla_rows, tables = [], {}
+        if sla_store is not None and windows:
+            from consumers import sla_queries
+
+            sla_rows = await _sla_table(sla_store, windows, len(records), console)
+            tables = await asyncio.to_thread(sla_queries.table_counts, sla_store)
+            console.print("ClickHouse rows: " + ", ".join(f"{k} {v}" for k, v in tables.items()))
+        if findings:
+            _print_findings(findings, console)
         title = (f"InferNex demo: {len(rows)} requests of {cfg.trace.name}, {cfg.engines} aggregated engines + "
                  f"{cfg.prefill}P{cfg.decode}D ({cfg.hardware}, {cfg.model_profile}), time x{cfg.time_scale:g}")
         if results:
@@ -207,16 +278,126 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                 "hit rate = prefix-cache hits / lookups counted by the engines (prefill side for PD)",
                 "overlap chosen/best = cached prefix blocks on the chosen backend / best any backend had",
             ])
+            (cfg.out / "control-plane.json").write_text(json.dumps({
+                "sla": sla_rows, "tables": tables, "incident": incident,
+                "findings": [f.model_dump(mode="json") for f in findings]}, indent=2, default=str))
             console.print(f"report: {paths['html']} and {paths['png']}  ({time.monotonic() - t_start:.0f}s)")
-        return {"results": results, "out": str(cfg.out)}
+        return {"results": results, "out": str(cfg.out), "sla": sla_rows, "incident": incident,
+                "findings": findings}
     finally:
         # every step bounded: a stuck component must not keep the demo (or CI) from exiting
         bridges_stop.set()
         if indexer is not None:
             await _bounded(indexer.stop(), "indexer")
+        if diagnosis is not None:
+            await _bounded(diagnosis.stop(), "diagnosis engine")
+        if sink_task is not None:
+            await _bounded(sink_task, "SLA sink", cancel=[sink_task])
         await _bounded(asyncio.gather(*tasks, return_exceptions=True), "KV bridges", cancel=tasks)
         if nc is not None:
             await _bounded(nc.close(), "NATS client")
         if cluster is not None:
             cluster.stop()
+        if sla_store is not None:
+            sla_store.close()
         server.stop()
+
+
+async def _incident(cfg: DemoConfig, cluster, node, rows, backends, nats_cfg, findings, records, console) -> dict:
+    """A critical NPU fault under one engine: the diagnosis engine names it with a remediation,
+    the router's health state marks the pod critical, and kv-aware routing stops sending it work."""
+    from prometheus_client import CollectorRegistry
+
+    from router.app import RouterApp
+    from router.config import RouterConfig
+    from simulator.workloads.client import replay
+
+    victim = cluster.engines[0].engine_id
+    device = next(d for d, pods in node.pods.items() if victim in pods)
+    console.print(f"  [bold]incident[/bold]: NPU {node.node}/{device} under {victim} reports error code 0x80E01801 ...")
+    t0 = time.time()
+    node.inject(device, "error_code", start=t0, code="0x80E01801")
+    n0 = len(findings)
+    await _wait(lambda: any(f.status != "resolved" and victim in f.pods for f in findings[n0:]), 30,
+                "a diagnosis naming the faulty pod")
+    detected = time.time() - t0
+    finding = next(f for f in findings[n0:] if victim in f.pods)
+    console.print(f"    diagnosis after {detected:.1f}s: {finding.severity} {finding.fault_mode} — "
+                  f"{finding.summary}; remediation: {finding.remediation}")
+    app = RouterApp(RouterConfig(pool=POOL, strategy="kv-aware", port=0, backends=backends, seed=0, read_timeout_s=120),
+                    nats_cfg, registry=CollectorRegistry())
+    url = await app.start(port=0)
+    try:
+        await _wait(lambda: (app.state.get(victim) is not None and app.state.get(victim).health == "critical"), 30,
+                    "the router to mark the pod critical")
+        n_before = len(records)
+        # the requests the faulty engine served best: the rows it had cached at the end of the runs
+        sample = rows[: cfg.incident_requests]
+        t = time.monotonic()
+        res = await replay(sample, url, model=MODEL, time_scale=1.0 / cfg.time_scale,
+                           concurrency=cfg.concurrency, timeout_s=120)
+    finally:
+        await _bounded(app.stop(drain=True), "router", timeout=45)
+    await _wait(lambda: len(records) - n_before >= len(sample), 15, "request records", required=False)
+    mine = records[n_before:]
+    sent = sum(1 for r in mine if victim in r.pods)
+    ok = sum(1 for r in res.requests if r.status == "ok")
+    console.print(f"    kv-aware during the fault: {ok}/{len(sample)} ok in {time.monotonic() - t:.1f}s, "
+                  f"{sent} sent to {victim}")
+    return {"pod": victim, "device": device, "fault": "error_code 0x80E01801", "finding": finding.finding_id,
+            "severity": finding.severity, "remediation": finding.remediation,
+            "detected_after_s": round(detected, 2), "requests": len(sample), "ok": ok,
+            "sent_to_faulty_pod": sent}
+
+
+async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: int, console) -> list[dict]:
+    """Per-strategy SLA summary read back from ClickHouse (the same SQL the dashboards use)."""
+    from rich.table import Table
+
+    from consumers import sla_queries
+
+    def count() -> int:
+        return int(store.rows(f"SELECT count() AS n FROM {store.database}.request_records")[0]["n"])
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and await asyncio.to_thread(count) < n_records:
+        await asyncio.sleep(0.25)
+    table = Table(title="SLA history read back from ClickHouse (request records per strategy window)")
+    for col in ("strategy", "requests", "TTFT p50 ms", "TTFT p90 ms", "cached/prompt tokens", "SLA attainment"):
+        table.add_column(col, justify="right" if col != "strategy" else "left")
+    out = []
+    for strategy, (since, until) in windows.items():
+        rows = await asyncio.to_thread(sla_queries.sla_summary, store, since, until, pool=POOL)
+        n = sum(r["requests"] for r in rows)
+        if not n:
+            continue
+
+        def wavg(key: str) -> float | None:
+            vals = [(r[key], r["requests"]) for r in rows if r.get(key) is not None]
+            w = sum(c for _, c in vals)
+            return sum(v * c for v, c in vals) / w if w else None
+
+        row = {"strategy": strategy, "requests": n, "ttft_p50_s": wavg("ttft_p50"), "ttft_p90_s": wavg("ttft_p90"),
+               "prefix_hit_rate": wavg("prefix_hit_rate"), "attainment": wavg("attainment")}
+        out.append(row)
+
+        def ms(v):
+            return "-" if v is None else f"{v * 1000:.0f}"
+
+        def pct(v):
+            return "-" if v is None else f"{v:.1%}"
+
+        table.add_row(strategy, str(n), ms(row["ttft_p50_s"]), ms(row["ttft_p90_s"]), pct(row["prefix_hit_rate"]),
+                      pct(row["attainment"]))
+    console.print(table)
+    return out
+
+
+def _print_findings(findings, console) -> None:
+    latest: dict[str, object] = {}
+    for f in findings:
+        latest[f.finding_id] = f
+    console.print(f"diagnosis findings: {len(latest)}")
+    for f in latest.values():
+        console.print(f"  {f.status:8} {f.severity:8} {f.node}/{f.device} {f.fault_mode}: {f.summary}"
+                      f" (pods {', '.join(f.pods) or '-'})")

@@ -41,6 +41,18 @@ def test_short_demo_run(tmp_path):
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     html = (out / "report.html").read_text()
     assert "kv-aware" in html and "data:image/png;base64," in html
+    # the rest of the control plane ran too: records read back from ClickHouse per strategy, and
+    # the closing incident was diagnosed and routed around
+    cp = json.loads((out / "control-plane.json").read_text())
+    sla = {row["strategy"]: row for row in cp["sla"]}
+    assert sla["round-robin"]["requests"] == sla["kv-aware"]["requests"] == 28
+    assert sla["kv-aware"]["prefix_hit_rate"] > sla["round-robin"]["prefix_hit_rate"]
+    assert cp["tables"]["engine_metrics"] > 0 and cp["tables"]["diagnoses"] > 0
+    inc = cp["incident"]
+    assert inc["severity"] == "critical" and inc["remediation"]
+    assert inc["ok"] == inc["requests"] > 0
+    assert inc["sent_to_faulty_pod"] == 0
+    assert any(f["finding_id"] == inc["finding"] and inc["pod"] in f["pods"] for f in cp["findings"])
     # everything it started is gone: no nats-server left on its store
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(out / "nats") not in ps

@@ -152,6 +152,7 @@ def test_link_down_persisting_vs_blip(engine, clock):
 def test_npu_smi_health_is_evidence(engine, clock, health, mode, severity, action):
     out = run(engine, clock, 5, T0, lambda i, ts: sample(ts, health=health))
     assert [(d.fault_mode, d.severity, d.action) for d in out] == [(mode, severity, action)]
+    assert out[0].remediation  # an operator is told what to do, not only what is wrong
 
 
 def test_steady_temperature_rise(engine, clock):

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
-console = Console()
+# piped into a file or CI log, rich would wrap the comparison table at 80 columns
+console = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _dump_tasks() -> None:
-    import sys
-
     for task in asyncio.all_tasks():
         print(f"--- {task.get_name()}", file=sys.stderr)
         task.print_stack(limit=12, file=sys.stderr)
@@ -33,6 +33,10 @@ def demo(
                                          help="strategies to compare (repeat)"),
     max_output_tokens: int = typer.Option(64, "--max-output-tokens", help="cap on generated tokens per request"),
     out: Path = typer.Option(Path("infernex-demo"), "--out", help="report directory"),
+    services: bool = typer.Option(True, "--services/--no-services",
+                                  help="also run the metrics and NPU collectors, diagnosis engine and SLA sink"),
+    incident: bool = typer.Option(True, "--incident/--no-incident",
+                                  help="end with a critical NPU fault under one engine (needs --services)"),
 ) -> None:
     """Start NATS, simulated engines, KV bridges, indexer and router; replay a trace slice under
     several strategies; print a comparison and write a report (PNG + HTML)."""
@@ -40,7 +44,7 @@ def demo(
 
     cfg = DemoConfig(trace=trace or DEFAULT_TRACE, requests=requests, offset=offset, time_scale=time_scale,
                      engines=engines, prefill=prefill, decode=decode, strategies=list(strategies),
-                     max_output_tokens=max_output_tokens, out=out)
+                     max_output_tokens=max_output_tokens, out=out, services=services, incident=incident)
     if not cfg.trace.is_file():
         console.print(f"[red]trace {cfg.trace} not found; pass --trace FILE[/red]")
         raise typer.Exit(2)

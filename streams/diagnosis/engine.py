@@ -238,7 +238,7 @@ class DiagnosisEngine:
             he = cat.health_values.get(t.health)
             if he is not None:
                 add(Signal(he.fault_mode, he.severity, he.level, f"npu-smi health {t.health}: {he.meaning}",
-                           "", {"health": t.health}))
+                           he.remediation, {"health": t.health}))
 
         # Ascend error codes (current state as reported)
         for raw in t.error_codes:

@@ -157,6 +157,7 @@ class HealthEntry(_M):
     level: ActionLevel
     severity: Severity
     meaning: str = ""
+    remediation: str = ""
 
 
 class Catalog(_M):
