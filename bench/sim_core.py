@@ -5,6 +5,11 @@ Synthetic trace: Poisson arrivals, prompts = one of ``--prefixes`` shared system
 (``--prefix-len`` tokens) + a unique suffix, output lengths uniform in [out/2, 3*out/2].
 
     /work/venv/bin/python bench/sim_core.py --requests 20000
+    /work/venv/bin/python bench/sim_core.py --requests 20000 --tokenless --block-size 512 --no-events
+
+``--tokenless``: requests carry only precomputed block keys and a length (the what-if
+simulation's coarse KV model, with ``--block-size 512`` = one trace block per cache unit;
+the KV capacity in tokens stays that of 16-token blocks).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def build_trace(n: int, rate: float, prefixes: int, prefix_len: int, suffix_len:
     return trace
 
 
-def run(core: EngineCore, trace) -> dict:
+def run(core: EngineCore, trace, keys=None) -> dict:
     now, i, n = 0.0, 0, len(trace)
     ttfts: list[float] = []
     events = 0
@@ -40,7 +45,10 @@ def run(core: EngineCore, trace) -> dict:
     while i < n or core.has_work:
         while i < n and trace[i][0] <= now:
             arr, rid, prompt, out = trace[i]
-            core.add_request(rid, prompt, out, arr)
+            if keys is None:
+                core.add_request(rid, prompt, out, arr)
+            else:
+                core.add_request(rid, None, out, arr, block_hashes=keys[i], num_prompt_tokens=len(prompt))
             i += 1
         res = core.step(now, trace[i][0] if i < n else float("inf"))
         steps += 1
@@ -78,14 +86,21 @@ def main() -> None:
     ap.add_argument("--hash-algo", default="sha256")
     ap.add_argument("--no-events", action="store_true", help="do not build KV events")
     ap.add_argument("--stream-outputs", action="store_true", help="one output record per token (server mode)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (cache unit)")
+    ap.add_argument("--tokenless", action="store_true", help="requests with precomputed keys and no token ids")
     args = ap.parse_args()
     trace = build_trace(args.requests, args.rate, args.prefixes, args.prefix_len, args.suffix_len, args.out_len, 1)
-    cfg = EngineConfig(hardware=args.profile, model_profile=args.model_profile,
+    # same KV capacity in tokens whatever the block size
+    blocks16 = EngineConfig(hardware=args.profile, model_profile=args.model_profile).resolved_num_gpu_blocks()
+    cfg = EngineConfig(hardware=args.profile, model_profile=args.model_profile, block_size=args.block_size,
+                       num_gpu_blocks=max(1, blocks16 * 16 // args.block_size),
                        prefix_caching_hash_algo=args.hash_algo, emit_kv_events=not args.no_events)
     core = EngineCore(cfg, stream_outputs=args.stream_outputs)
-    res = run(core, trace)
-    print(f"engine_core ({args.profile} x {args.model_profile}, {core.num_blocks} blocks, "
-          f"events={'off' if args.no_events else 'on'}, hash={args.hash_algo})")
+    keys = [core.hasher.hash_blocks(p) for _, _, p, _ in trace] if args.tokenless else None
+    res = run(core, trace, keys)
+    print(f"engine_core ({args.profile} x {args.model_profile}, {core.num_blocks} blocks of {args.block_size}, "
+          f"events={'off' if args.no_events else 'on'}, hash={args.hash_algo}, "
+          f"{'token-less' if args.tokenless else 'token ids'})")
     for k, v in res.items():
         print(f"  {k:28s} {v:,.3f}" if isinstance(v, float) else f"  {k:28s} {v:,}")
 

@@ -8,11 +8,28 @@ from the engines' live state; the engines are :class:`simulator.engine_core.Engi
 
 The KV view the router sees is exact and without lag: each engine's prefix cache is
 consulted directly (what a fully caught-up indexer would answer). Event-stream lag is not
-modelled here; the HTTP demo has it.
+modelled here; the HTTP demo has it. The router's own bookkeeping (requests in flight, their
+prompt tokens, uncached prompt tokens until the first token) is kept as ``router.state`` keeps
+it for the HTTP router, so filters such as ``not-busy`` see the same inputs.
 
-Prompts come from :class:`simulator.workloads.synth.PromptSynthesizer`, so requests that
-share trace ``hash_ids`` share real token prefixes; block keys are the index's own
-:func:`streams.kv_index.block_keys`, memoised per 512-token trace block chain.
+Fidelity of the KV cache model (``Fleet.kv_model``):
+
+- ``coarse`` (the default): the engines' prefix cache works in units of one trace block (one
+  ``hash_id``, 512 tokens = 32 engine blocks of 16). A prompt's cache keys are its chain of
+  hash ids (only full trace blocks; the cut tail block is computed, never matched), no token
+  ids are synthesized (the engines get token-less requests), memory is the same number of
+  tokens as in the fine model (``num_gpu_blocks * block_size / 512`` units), so a request's
+  KV rounds up to whole units (at most 511 tokens, ~3 % of a 15k-token prompt). Scheduling,
+  chunked prefill, batching and the timing model are unchanged (they work in tokens).
+  Differences from ``fine``: a prefix shared only within a cut tail block, and blocks of
+  generated tokens, are not reused (in the Mooncake trace no later prompt contains them).
+  ``tests/test_whatif.py`` checks that both models give the same strategy ordering and
+  close hit rates on a slice of the shared trace.
+- ``fine``: vLLM's 16-token blocks over synthesized prompts
+  (:class:`simulator.workloads.synth.PromptSynthesizer`, so requests that share ``hash_ids``
+  share real token prefixes); block keys are the index's own
+  :func:`streams.kv_index.block_keys`, memoised per trace block chain. About 20x slower on
+  ~15k-token prompts (per-block Python work).
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -51,6 +69,7 @@ class Fleet:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 262144  # the Mooncake trace has prompts beyond 128k tokens
+    kv_model: Literal["coarse", "fine"] = "coarse"  # see the module docstring
 
     def specs(self) -> list[tuple[str, str, str | None]]:
         out = [(f"agg-{i}", "aggregated", None) for i in range(self.aggregated)]
@@ -68,8 +87,10 @@ class _Engine:
     core: EngineCore
     free_at: float = math.inf  # when its next step may start; inf = idle
     busy: float = 0.0
+    # the router's own bookkeeping, as router.state keeps it for the HTTP router
     inflight: int = 0
-    active_tokens: int = 0
+    active_tokens: int = 0  # prompt tokens of requests in flight
+    pending_prefill: int = 0  # their uncached prompt tokens until the first token
 
 
 @dataclass(slots=True)
@@ -78,9 +99,10 @@ class _Req:
     rid: str
     row: TraceRow
     arrival: float
-    tokens: list[int]
+    tokens: list[int] | None  # None: token-less (coarse KV model)
     keys: list[int]
     out_tokens: int = 1
+    pending: int = 0
     decode_pod: str | None = None
     backend: str | None = None
     first: float | None = None
@@ -128,6 +150,26 @@ class WhatIfResult:
         return summarize(self.rows, duration_s=self.virtual_s)
 
 
+class _UnitKeys:
+    """Coarse cache keys: one per full trace block, chained (equal keys = equal prefixes)."""
+
+    def __init__(self, unit_tokens: int):
+        self.unit = unit_tokens
+        self._chain: dict[tuple[int, int], int] = {}
+
+    def keys(self, row: TraceRow) -> list[int]:
+        chain = self._chain
+        out: list[int] = []
+        parent = 0
+        for h in row.hash_ids[:min(len(row.hash_ids), row.input_length // self.unit)]:
+            k = chain.get((parent, h))
+            if k is None:
+                k = chain[(parent, h)] = len(chain) + 1
+            out.append(k)
+            parent = k
+        return out
+
+
 class _Keys:
     """Block keys of synthesized prompts, memoised along trace hash-id chains."""
 
@@ -171,19 +213,35 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
              seed: int = 0, synth: PromptSynthesizer | None = None, max_output_tokens: int | None = None) -> WhatIfResult:
     """Run ``rows`` (arrivals at ``timestamp / time_scale``) through ``profile`` on ``fleet``."""
     fleet = fleet or Fleet()
-    router = Router(profile, seed=seed, default_block_size=fleet.block_size)
     synth = synth or PromptSynthesizer()
-    keyer = _Keys(synth, fleet.block_size)
+    coarse = fleet.kv_model == "coarse"
+    block_size, num_gpu_blocks = fleet.block_size, fleet.num_gpu_blocks
+    if coarse:
+        unit = synth.block_tokens
+        if unit % fleet.block_size:
+            raise ValueError(f"the coarse KV model needs trace blocks ({unit} tokens) to be whole engine blocks "
+                             f"({fleet.block_size} tokens); use kv_model='fine'")
+        per_unit = unit // fleet.block_size
+        if num_gpu_blocks is None:
+            probe = EngineConfig(model_profile=fleet.model_profile, hardware=fleet.hardware,
+                                 block_size=fleet.block_size)
+            num_gpu_blocks = probe.resolved_num_gpu_blocks()
+        block_size, num_gpu_blocks = unit, max(1, num_gpu_blocks // per_unit)
+        unit_keys = _UnitKeys(unit)
+    else:
+        keyer = _Keys(synth, fleet.block_size)
+    router = Router(profile, seed=seed, default_block_size=block_size)
     engines: dict[str, _Engine] = {}
     for pod, role, group in fleet.specs():
         cfg = EngineConfig(engine_id=pod, served_model_name=MODEL, model_profile=fleet.model_profile,
-                           hardware=fleet.hardware, block_size=fleet.block_size, num_gpu_blocks=fleet.num_gpu_blocks,
+                           hardware=fleet.hardware, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                            max_num_seqs=fleet.max_num_seqs, max_num_batched_tokens=fleet.max_num_batched_tokens,
                            max_model_len=fleet.max_model_len, role=role if role != "aggregated" else "aggregated",
                            emit_kv_events=False)
         engines[pod] = _Engine(pod, role, group, EngineCore(cfg, stream_outputs=True))
     if router.strategy.pd and not any(e.role == "prefill" for e in engines.values()):
         raise ValueError(f"profile {profile} needs PD groups (--pd-groups)")
+    prefill_engines = [e for e in engines.values() if e.role == "prefill"]
     states = {e.pod: BackendState(pod=e.pod, url=f"sim://{e.pod}", model=MODEL, role=e.role, group=e.group)
               for e in engines.values()}
     reqs: dict[str, _Req] = {}
@@ -209,9 +267,10 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
             s.kv_usage = e.core.kv_usage
             s.inflight = e.inflight
             s.active_tokens = e.active_tokens
+            s.pending_prefill_tokens = e.pending_prefill
         overlap = {pod: _overlap(e.core, req.keys) for pod, e in engines.items()}
         rr = RoutingRequest(model=MODEL, request_id=req.rid, keys=req.keys,
-                            prompt_tokens=len(req.tokens), max_tokens=req.row.output_length)
+                            prompt_tokens=req.row.input_length, max_tokens=req.row.output_length)
         dec = router.decide(rr, list(states.values()), None, now, overlap=overlap)
         if not dec.ok or dec.target is None:
             rejected += 1
@@ -226,26 +285,32 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
         if dec.prefill is not None:
             p = engines[dec.prefill.pod]
             try:
-                p.core.add_request(rid, req.tokens, 1, now, block_hashes=req.keys, do_remote_decode=True)
+                p.core.add_request(rid, req.tokens, 1, now, block_hashes=req.keys, do_remote_decode=True,
+                                   num_prompt_tokens=req.row.input_length)
             except ValueError as exc:
                 rejected += 1
                 req.error, req.http_status = str(exc), 400
                 return
             p.inflight += 1
-            p.active_tokens += len(req.tokens)
+            p.active_tokens += req.row.input_length
+            req.pending = req.row.input_length
+            p.pending_prefill += req.pending
             req.decode_pod = dec.target.pod
             req.backend = dec.target.pod
             wake(p, now)
             return
         e = engines[dec.target.pod]
         try:
-            e.core.add_request(rid, req.tokens, out_tokens, now, block_hashes=req.keys)
+            e.core.add_request(rid, req.tokens, out_tokens, now, block_hashes=req.keys,
+                               num_prompt_tokens=req.row.input_length)
         except ValueError as exc:  # what vLLM answers with a 400
             rejected += 1
             req.error, req.http_status = str(exc), 400
             return
         e.inflight += 1
-        e.active_tokens += len(req.tokens) + out_tokens
+        e.active_tokens += req.row.input_length
+        req.pending = max(req.row.input_length - dec.chosen_overlap_blocks * dec.block_size, 0)
+        e.pending_prefill += req.pending
         req.backend = e.pod
         wake(e, now)
 
@@ -255,18 +320,24 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
         if next_arrival <= next_step:
             t, i, row = arrivals[ai]
             ai += 1
-            tokens_arr = synth.token_array(row)
-            keys = keyer.keys(row, tokens_arr)
+            if coarse:
+                tokens, keys = None, unit_keys.keys(row)
+            else:
+                tokens_arr = synth.token_array(row)
+                tokens, keys = tokens_arr.tolist(), keyer.keys(row, tokens_arr)
             rid = f"req-{i}"
-            req = _Req(i, rid, row, t, tokens_arr.tolist(), keys)
+            req = _Req(i, rid, row, t, tokens, keys)
             reqs[rid] = req
             order.append(req)
             route(req, t)
             continue
         now, pod = heapq.heappop(heap)
         e = engines[pod]
-        # decode-only stretches run in one call up to the next moment anything else can happen
-        horizon = min(next_arrival, heap[0][0] if heap else math.inf)
+        # decode-only stretches run in one call up to the next moment new work can reach this
+        # engine: an arrival, or (decode engines) the end of a prefill engine's next step
+        horizon = next_arrival
+        if e.role == "decode" and prefill_engines:
+            horizon = min(horizon, min(p.free_at for p in prefill_engines))
         step = e.core.step(now, None if horizon == math.inf else horizon)
         if step.idle:
             e.free_at = math.inf
@@ -285,12 +356,14 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
                 d = engines[req.decode_pod]
                 t = e.core.take_transfer(out.kv_transfer.transfer_id, end)
                 d.core.add_request(out.request_id, req.tokens, req.out_tokens, end,
-                                   block_hashes=req.keys,
+                                   block_hashes=req.keys, num_prompt_tokens=req.row.input_length,
                                    remote_prefill=RemotePrefill(remote_engine_id=pod, num_tokens=t.num_tokens))
                 e.inflight -= 1
-                e.active_tokens -= len(req.tokens)
+                e.active_tokens -= req.row.input_length
+                e.pending_prefill -= req.pending
+                req.pending = 0
                 d.inflight += 1
-                d.active_tokens += len(req.tokens) + req.out_tokens
+                d.active_tokens += req.row.input_length
                 wake(d, end)
                 continue
             t_out = out.time or end
@@ -299,6 +372,8 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
                 if req.first is None:  # a first token always comes from a prefill step, alone
                     req.first = t_out
                     n_new -= 1
+                    e.pending_prefill -= req.pending
+                    req.pending = 0
                 if n_new > 0:
                     req.itl.extend([(t_out - (req.last or req.first)) / n_new] * n_new)
                 req.last = t_out
@@ -307,7 +382,9 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
                 req.end = t_out
                 req.cached = out.num_cached_tokens
                 e.inflight -= 1
-                e.active_tokens -= len(req.tokens) + req.out_tokens
+                e.active_tokens -= req.row.input_length
+                e.pending_prefill -= req.pending
+                req.pending = 0
                 del reqs[out.request_id]
         e.free_at = end
         heapq.heappush(heap, (end, pod))
@@ -318,4 +395,7 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
         (r.start_s for r in rows_out if r.start_s is not None), default=0.0)
     return WhatIfResult(profile=profile, rows=rows_out, wall_s=wall, virtual_s=virtual,
                         busy={p: e.busy for p, e in engines.items()},
-                        best_overlap_blocks=best_total, chosen_overlap_blocks=chosen_total, rejected=rejected)
+                        best_overlap_blocks=best_total, chosen_overlap_blocks=chosen_total, rejected=rejected,
+                        extra={"kv_model": fleet.kv_model,
+                               "kv_capacity_tokens": {p: e.core.num_blocks * e.core.block_size
+                                                      for p, e in engines.items()}})

@@ -17,6 +17,13 @@ PD: a request with ``do_remote_decode`` (producer) finishes after its first toke
 its blocks pinned until :meth:`EngineCore.take_transfer` or ``kv_transfer_timeout_s``; a
 request with a :class:`RemotePrefill` (consumer) allocates its blocks, waits the simulated
 transfer time, then needs one step to produce its first token.
+
+Token-less requests (``prompt_token_ids=None`` with ``num_prompt_tokens``): only the caller's
+``block_hashes`` key the cache (one per full block of the prompt); no token ids are kept, blocks
+of generated tokens are not cached, their ``BlockStored`` events carry no token ids, and every
+token they generate is the placeholder ``TOKENLESS_OUTPUT_ID`` (only counts and times matter). The
+what-if simulation uses them with a ``block_size`` of one trace block (512 tokens), so a prompt
+is a few dozen cache units instead of a thousand 16-token blocks (see :mod:`infernex.whatif`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from simulator.kv_events import AllBlocksCleared, KvCacheEventT, block_removed, 
 
 _U64 = (1 << 64) - 1
 RESERVED_TOKEN_IDS = 16  # generated ids avoid the lowest ids (special tokens)
+TOKENLESS_OUTPUT_ID = RESERVED_TOKEN_IDS  # every generated id of a token-less request (only counts matter)
 
 
 def _tuple_hash(token_ids: list[int]) -> bytes:
@@ -68,7 +76,7 @@ class Transfer:
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
-    prompt: list[int]
+    prompt: list[int] | None  # None: a token-less request (block hashes only)
     max_tokens: int
     arrival: float
     keys: list[Hashable]
@@ -89,6 +97,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_tokens: int = 0  # len(prompt) + len(output), kept up to date
+    prompt_len: int = 0
 
 
 @dataclass(slots=True)
@@ -194,7 +203,7 @@ class EngineCore:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | None,
         max_tokens: int,
         arrival_time: float,
         *,
@@ -202,10 +211,22 @@ class EngineCore:
         block_hashes: list[Hashable] | None = None,
         do_remote_decode: bool = False,
         remote_prefill: RemotePrefill | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> Request:
-        """Queue a request (raises ``ValueError`` for requests vLLM would reject)."""
+        """Queue a request (raises ``ValueError`` for requests vLLM would reject).
+
+        ``prompt_token_ids=None`` with ``num_prompt_tokens``: a token-less request, keyed in the
+        prefix cache by ``block_hashes`` alone (see the module docstring).
+        """
         cfg = self.config
-        n = len(prompt_token_ids)
+        if prompt_token_ids is None:
+            if num_prompt_tokens is None:
+                raise ValueError("a request without prompt token ids needs num_prompt_tokens")
+            if block_hashes is None and cfg.enable_prefix_caching:
+                raise ValueError("a request without prompt token ids needs block_hashes")
+            n = num_prompt_tokens
+        else:
+            n = len(prompt_token_ids)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
         if n == 0:
@@ -231,10 +252,15 @@ class EngineCore:
                 keys = self.hasher.hash_blocks(prompt_token_ids, cache_salt=cache_salt)
         else:
             keys = []
-        digest = xxhash.xxh64_intdigest(_tuple_hash(prompt_token_ids), seed=self._model_seed)
-        req = Request(request_id, list(prompt_token_ids), max_tokens, arrival_time, keys, digest,
+        if prompt_token_ids is None:  # the chained last key stands for the prompt's full blocks
+            digest = xxhash.xxh64_intdigest(repr((n, keys[-1] if keys else None)).encode(), seed=self._model_seed)
+            prompt = None
+        else:
+            digest = xxhash.xxh64_intdigest(_tuple_hash(prompt_token_ids), seed=self._model_seed)
+            prompt = list(prompt_token_ids)
+        req = Request(request_id, prompt, max_tokens, arrival_time, keys, digest,
                       cache_salt=cache_salt, do_remote_decode=do_remote_decode, remote=remote_prefill,
-                      num_tokens=n)
+                      num_tokens=n, prompt_len=n)
         self._requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -380,7 +406,9 @@ class EngineCore:
         return list(map(cached.__getitem__, takewhile(cached.__contains__, islice(req.keys, limit))))
 
     def _tokens(self, req: Request, a: int, b: int) -> list[int]:
-        p = len(req.prompt)
+        if req.prompt is None:
+            return []
+        p = req.prompt_len
         if b <= p:
             return req.prompt[a:b]
         if a >= p:
@@ -394,6 +422,12 @@ class EngineCore:
         if full <= start:
             return
         keys = req.keys
+        done = full
+        if req.prompt is None:  # token-less: only the caller's keys are cacheable
+            full = min(full, len(keys))
+            if full <= start:
+                req.num_cached_blocks = done
+                return
         while len(keys) < full:  # blocks of generated tokens (or of a resumed request)
             i = len(keys)
             keys.append(self.hasher.hash_block(keys[-1] if i else None, self._tokens(req, i * bs, (i + 1) * bs),
@@ -420,7 +454,7 @@ class EngineCore:
                         ext(keys[run_start - 1]) if run_start else None,
                         self._tokens(req, run_start * bs, i * bs), bs))
                 run_start = -1
-        req.num_cached_blocks = full
+        req.num_cached_blocks = done
 
     # ----------------------------------------------------------------- scheduling
 
@@ -460,7 +494,8 @@ class EngineCore:
         self.stats.requests_finished += 1
         del self._requests[req.request_id]
         if req.do_remote_decode:
-            t = Transfer(req.request_id, req.blocks, len(req.prompt), self.prompt_digest(req.prompt),
+            digest = req.out_seed if req.prompt is None else self.prompt_digest(req.prompt)
+            t = Transfer(req.request_id, req.blocks, req.prompt_len, digest,
                          end + self.config.kv_transfer_timeout_s)
             old = self.transfers.pop(t.transfer_id, None)
             if old is not None:
@@ -552,10 +587,13 @@ class EngineCore:
             s_i = steps[i]
             base = len(r.output)
             seed = r.out_seed
-            new = [RESERVED_TOKEN_IDS + xxh((base + x).to_bytes(4, "little"), seed=seed) % span for x in range(s_i)]
+            if r.prompt is None:
+                new = [TOKENLESS_OUTPUT_ID] * s_i
+            else:
+                new = [RESERVED_TOKEN_IDS + xxh((base + x).to_bytes(4, "little"), seed=seed) % span for x in range(s_i)]
             r.output.extend(new)
             if stream:
-                streamed[i] = RequestOutput(r.request_id, new, False, None, len(r.prompt),
+                streamed[i] = RequestOutput(r.request_id, new, False, None, r.prompt_len,
                                             r.num_cached_tokens if r.num_cached_tokens > 0 else 0,
                                             base + s_i, None, ends[s_i - 1])
             r.num_tokens += s_i
@@ -573,7 +611,7 @@ class EngineCore:
         for i in finished:
             r = running[i]
             out = streamed.pop(i) if stream else RequestOutput(
-                r.request_id, list(r.output), False, None, len(r.prompt),
+                r.request_id, list(r.output), False, None, r.prompt_len,
                 r.num_cached_tokens if r.num_cached_tokens > 0 else 0, len(r.output), None, ends[steps[i] - 1])
             self._finish(r, out, ends[steps[i] - 1], result)
             result.outputs.append(out)
@@ -607,7 +645,7 @@ class EngineCore:
             still = []
             for req in self.remote_waiting:
                 if req.remote_ready is not None and req.remote_ready <= now:
-                    req.num_computed = len(req.prompt) - 1
+                    req.num_computed = req.prompt_len - 1
                     req.num_cached_tokens = req.num_computed
                     self._cache_full_blocks(req, events)
                     self.running.append(req)
@@ -660,7 +698,7 @@ class EngineCore:
                 computed = len(hits) * bs
                 if req.remote is not None:
                     n = 0
-                    need = -(-len(req.prompt) // bs) - len(hits)
+                    need = -(-req.prompt_len // bs) - len(hits)
                 else:
                     n = req.num_tokens - computed
                     if n > budget:
@@ -687,7 +725,7 @@ class EngineCore:
                 self.stats.prefix_cache_queries += req.num_tokens
                 self.stats.prefix_cache_hits += computed
                 if req.remote is not None:
-                    remote_tokens = len(req.prompt) - computed
+                    remote_tokens = req.prompt_len - computed
                     req.remote_ready = now + self.transfer_time(remote_tokens)
                     self.remote_waiting.append(req)
                     continue
@@ -718,7 +756,7 @@ class EngineCore:
         n_prefill = n_decode = n_sched = n_tokens = 0
         stream = self.stream_outputs
         for req, n in scheduled:
-            prompt_len = len(req.prompt)
+            prompt_len = req.prompt_len
             if req.num_computed < prompt_len:
                 n_prefill += n
             else:
@@ -730,8 +768,11 @@ class EngineCore:
             if computed < req.num_tokens:
                 continue  # a chunk of a longer prefill: no token yet
             output = req.output
-            tok = RESERVED_TOKEN_IDS + xxhash.xxh64_intdigest(len(output).to_bytes(4, "little"),
-                                                              seed=req.out_seed) % span
+            if req.prompt is None:
+                tok = TOKENLESS_OUTPUT_ID
+            else:
+                tok = RESERVED_TOKEN_IDS + xxhash.xxh64_intdigest(len(output).to_bytes(4, "little"),
+                                                                  seed=req.out_seed) % span
             output.append(tok)
             req.num_tokens += 1
             if req.first_token_time is None:

@@ -397,3 +397,85 @@ def test_streamed_decode_runs_give_same_tokens_and_times():
     assert a[0] == b[0]
     assert a[1] == pytest.approx(b[1]) and a[2] == pytest.approx(b[2])
     assert a[3] == pytest.approx(b[3])
+
+
+def _run_trace(core: EngineCore, trace, *, tokenless: bool):
+    """Replay (arrival, rid, prompt, max_tokens) through ``core`` with decode runs; returns
+    per-request (ttft, end, output count, cached tokens)."""
+    now, i, n = 0.0, 0, len(trace)
+    out: dict[str, list] = {}
+    while i < n or core.has_work:
+        while i < n and trace[i][0] <= now:
+            arr, rid, prompt, mx = trace[i]
+            if tokenless:  # the same cache keys the engine would compute itself
+                core.add_request(rid, None, mx, arr, block_hashes=core.hasher.hash_blocks(prompt),
+                                 num_prompt_tokens=len(prompt))
+            else:
+                core.add_request(rid, prompt, mx, arr)
+            i += 1
+        res = core.step(now, trace[i][0] if i < n else float("inf"))
+        for o in res.outputs:
+            rec = out.setdefault(o.request_id, [None, None, 0, None])
+            if rec[0] is None and o.new_token_ids:
+                rec[0] = o.time
+            rec[2] += len(o.new_token_ids)
+            if o.finished:
+                rec[1], rec[3] = o.time, o.num_cached_tokens
+        now = res.end if not res.idle else (trace[i][0] if i < n else res.next_wakeup)
+    return out
+
+
+def test_tokenless_requests_schedule_and_cache_like_token_requests():
+    rng = random.Random(11)
+    shared = [[rng.randrange(20, 30000) for _ in range(64)] for _ in range(3)]
+    trace, t = [], 0.0
+    for i in range(60):
+        t += rng.expovariate(30.0)
+        prompt = shared[rng.randrange(3)] + [rng.randrange(20, 30000) for _ in range(rng.randint(1, 40))]
+        trace.append((t, f"r{i}", prompt, rng.randint(1, 30)))
+    kw = dict(num_gpu_blocks=160, block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
+    a = EngineCore(EngineConfig(**kw), stream_outputs=True)
+    b = EngineCore(EngineConfig(**kw), stream_outputs=True)
+    ra, rb = _run_trace(a, trace, tokenless=False), _run_trace(b, trace, tokenless=True)
+    assert ra.keys() == rb.keys() and len(ra) == 60
+    for rid in ra:  # same first-token and end times, output counts and prefix hits
+        assert rb[rid][0] == pytest.approx(ra[rid][0]) and rb[rid][1] == pytest.approx(ra[rid][1])
+        assert rb[rid][2:] == ra[rid][2:]
+    assert sum(r[3] for r in rb.values()) > 0  # the shared prefixes did hit
+    assert b.stats.prefix_cache_hits == a.stats.prefix_cache_hits
+    # only prompt blocks are cached for token-less requests (no hashes of generated tokens)
+    prompt_keys = {h for _, _, p, _ in trace for h in b.hasher.external_hashes(p)}
+    assert b.cached_block_hashes() <= prompt_keys
+    assert not a.cached_block_hashes() <= prompt_keys
+
+
+def test_tokenless_request_needs_length_and_keys():
+    core = make()
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        core.add_request("x", None, 1, 0.0, block_hashes=[1])
+    with pytest.raises(ValueError, match="block_hashes"):
+        core.add_request("x", None, 1, 0.0, num_prompt_tokens=9)
+    with pytest.raises(ValueError, match="more block hashes"):
+        core.add_request("x", None, 1, 0.0, block_hashes=[1, 2, 3], num_prompt_tokens=9)
+    core.add_request("x", None, 3, 0.0, block_hashes=[1, 2], num_prompt_tokens=9)
+    out = {}
+    drain(core, outputs=out)
+    assert len(tokens_of(out, "x")) == 3
+    assert core.cached_block_hashes() == {1, 2}
+
+
+def test_tokenless_pd_transfer():
+    kw = dict(num_gpu_blocks=64, block_size=16)
+    prod = EngineCore(EngineConfig(role="kv_producer", **kw))
+    cons = EngineCore(EngineConfig(role="kv_consumer", **kw))
+    keys = [7, 8, 9]
+    prod.add_request("r", None, 1, 0.0, block_hashes=keys, num_prompt_tokens=50, do_remote_decode=True)
+    res = prod.step(0.0)
+    (o,) = res.outputs
+    assert o.finished and o.kv_transfer is not None and o.kv_transfer.num_tokens == 50
+    t = prod.take_transfer("r", res.end)
+    cons.add_request("r", None, 5, res.end, block_hashes=keys, num_prompt_tokens=50,
+                     remote_prefill=RemotePrefill("prod", t.num_tokens))
+    out = {}
+    drain(cons, res.end, outputs=out)
+    assert len(tokens_of(out, "r")) == 5 and cons.cached_block_hashes() == set(keys)

@@ -69,17 +69,62 @@ def test_oversized_prompt_is_rejected_like_vllm():
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="shared trace not present")
+def test_coarse_kv_model_agrees_with_the_fine_one_on_a_trace_slice():
+    """The default coarse KV model (one cache unit per 512-token trace block, token-less
+    requests) against vLLM's 16-token blocks over synthesized prompts: same strategy ordering,
+    close hit rates and tail latencies, on a slice of the shared trace with much prefix reuse."""
+    rows = load_trace(TRACE)[3000:3600]
+    profiles = ["round-robin", "dynamo-cost", "kv-aware"]
+    res = {km: {p: simulate(rows, p, Fleet(kv_model=km)) for p in profiles} for km in ("coarse", "fine")}
+    summ = {km: {p: r.summary() for p, r in rs.items()} for km, rs in res.items()}
+    for km in res:
+        assert all(s.ok == len(rows) for s in summ[km].values())
+
+    def order(km, key):
+        return sorted(profiles, key=lambda p: key(summ[km][p]))
+
+    for key in (lambda s: s.ttft_p50_s, lambda s: s.ttft_p90_s, lambda s: s.hit_rate):
+        assert order("coarse", key) == order("fine", key)
+    assert order("fine", lambda s: -s.hit_rate)[0] == "kv-aware" and summ["fine"]["kv-aware"].hit_rate > 0.3
+    for p in profiles:
+        c, f = summ["coarse"][p], summ["fine"][p]
+        assert abs(c.hit_rate - f.hit_rate) <= 0.02, (p, c.hit_rate, f.hit_rate)
+        assert c.ttft_p90_s == pytest.approx(f.ttft_p90_s, rel=0.1), p
+        assert abs(res["coarse"][p].overlap_share - res["fine"][p].overlap_share) <= 0.05, p
+    wall = {km: sum(r.wall_s for r in rs.values()) for km, rs in res.items()}
+    assert wall["coarse"] * 3 < wall["fine"], wall
+
+
+def test_coarse_kv_model_needs_whole_engine_blocks():
+    with pytest.raises(ValueError, match="whole engine blocks"):
+        simulate(_conversations(n_convs=1, turns=1), "round-robin", Fleet(aggregated=1, block_size=24))
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared trace not present")
 def test_simulate_command_on_the_shared_trace(tmp_path):
     out = tmp_path / "sim"
-    r = subprocess.run([sys.executable, "-m", "infernex.cli", "simulate", "--trace", str(TRACE), "--limit", "60",
-                        "-p", "round-robin", "-p", "kv-aware", "--engines", "4", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "infernex.cli", "simulate", "--trace", str(TRACE), "--skip", "3000",
+                        "--limit", "60", "--max-output-tokens", "16", "-p", "round-robin", "-p", "kv-aware",
+                        "--engines", "4", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((out / "results.json").read_text())
     assert [d["strategy"] for d in data] == ["round-robin", "kv-aware"]
     assert all(d["summary"]["ok"] == 60 for d in data)
+    assert all(d["summary"]["output_tokens"] <= 60 * 16 for d in data)
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     assert "kv-aware" in (out / "report.html").read_text()
+
+
+def test_simulate_command_rejects_unknown_kv_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from infernex.cli import app
+
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(good), "--kv-model", "exact", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "coarse or fine" in r.output
 
 
 def test_simulate_command_rejects_bad_trace(tmp_path):
