@@ -14,10 +14,12 @@ from __future__ import annotations
 import html
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from consumers.indexer import decode_batch
 from consumers.replay import ReplayMsg
 from router.config import RouterConfig
 from router.core import Router
@@ -80,24 +82,42 @@ class ReplayState:
         self.records: list[RequestRecord] = []
         self.decisions: dict[str, RoutingDecision] = {}
         self._kv_pos: dict[str, tuple[int, int]] = {}
+        self._models: dict[str, type] = {}
         self.first_ts: float | None = None
         self.last_ts: float | None = None
 
     # ---------------------------------------------------------------------------- folding
+    def apply_many(self, msgs: Iterable[ReplayMsg]) -> None:
+        """Fold a run of messages in store order (what :func:`read_window_batches` yields)."""
+        ap = self.apply
+        for m in msgs:
+            ap(m)
+
+    def _model(self, subject: str) -> type:
+        model = self._models.get(subject)
+        if model is None:
+            model = self._models[subject] = model_for_subject(subject)  # ValueError if not ours
+        return model
+
     def apply(self, msg: ReplayMsg) -> None:
-        if msg.ts > self.clock.now():
-            self.clock.set(msg.ts)
-        self.first_ts = msg.ts if self.first_ts is None else self.first_ts
-        self.last_ts = msg.ts
+        ts = msg.ts
+        clock = self.clock
+        if ts > clock.now():
+            clock.set(ts)
+        if self.first_ts is None:
+            self.first_ts = ts
+        self.last_ts = ts
         try:
-            model = model_for_subject(msg.subject)
-            event = decode_event(model, msg.data)
+            model = self._model(msg.subject)
+            # KV batches are most of the history: the indexer's msgspec fast path (pydantic
+            # only for payloads it does not accept exactly, which it then validates or names)
+            event = decode_batch(msg.data) if model is KvEventBatch else decode_event(model, msg.data)
         except (ValueError, ValidationFailure) as exc:
             self.counts["undecodable"] += 1
             self.undecodable.append((msg.subject, str(exc)[:200]))
             return
         self.counts[model.__name__] += 1
-        if isinstance(event, KvEventBatch):
+        if model is KvEventBatch:
             self._kv(msg, event)
         elif isinstance(event, EngineMetrics):
             self.cluster.apply_metrics(event)
@@ -127,6 +147,48 @@ class ReplayState:
         elif isinstance(event, DeadLetter):
             self.timeline.append(TimelineEntry(msg.ts, "dead-letter", msg.subject,
                                                f"{event.stream}: {event.reason[:160]}"))
+
+    # ------------------------------------------------------------- parallel KV replay
+    def kv_part(self) -> dict[str, Any]:
+        """This state's KV side, to be merged into another state (:meth:`merge_kv_parts`):
+        a replay that folded only some pods' KV subjects hands this back (picklable)."""
+        return {
+            "dump": [b.to_json() for b in self.index.dump()],
+            "last_seen": {name: p.last_seen for name, p in self.index.pods().items()},
+            "timeline": list(self.timeline),
+            "counts": dict(self.counts),
+            "undecodable": list(self.undecodable),
+            "kv_pos": dict(self._kv_pos),
+            "first_ts": self.first_ts,
+            "last_ts": self.last_ts,
+        }
+
+    def merge_kv_parts(self, parts: Iterable[dict[str, Any]]) -> None:
+        """Merge states that folded disjoint sets of pods' KV events (and nothing else) into
+        this one. A pod's KV fold depends only on its own batches, so restoring each part's
+        dump (the index written back out as events) gives the state one sequential fold
+        reaches; each pod's batch is restored at the clock value it was last applied at."""
+        parts = list(parts)
+        restore = []
+        for part in parts:
+            seen = part["last_seen"]
+            for data in part["dump"]:
+                b = decode_batch(data)
+                restore.append((seen.get(b.pod) or 0.0, b.pod, b))
+            self.timeline.extend(part["timeline"])
+            self.counts.update(part["counts"])
+            self.undecodable.extend(part["undecodable"])
+            self._kv_pos.update(part["kv_pos"])
+            for ts in (part["first_ts"], part["last_ts"]):
+                if ts is not None:
+                    self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
+                    self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
+        now = self.clock.now()
+        for seen, _, batch in sorted(restore, key=lambda r: (r[0], r[1])):
+            self.clock.set(seen)
+            self.index.apply(batch)
+        self.clock.set(max([now] + [p["last_ts"] for p in parts if p["last_ts"] is not None]))
+        self.timeline.sort()
 
     def _kv(self, msg: ReplayMsg, batch: KvEventBatch) -> None:
         prev = self._kv_pos.get(batch.pod)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,6 +33,7 @@ class Window:
     end: float | None
     start_seq: int | None
     subjects: list[str]
+    workers: int = 1  # processes folding the KV events; 0 = automatic
 
 
 def _time(value: str | None) -> float | None:
@@ -50,27 +54,103 @@ def _window(
     end: Optional[str] = typer.Option(None, "--to", help="end (inclusive): ISO time, epoch seconds, or '5m' ago"),
     from_seq: Optional[int] = typer.Option(None, "--from-seq", help="start at this stream sequence"),
     subjects: list[str] = typer.Option(ALL_SUBJECTS, "--subjects", "-s", help="subject filters (repeat)"),
+    workers: int = typer.Option(0, "--workers", min=0,
+                                help="processes folding KV events in parallel (pods split among them); 0 = "
+                                     "automatic (the free cores, up to 4, from 50k stored KV messages on), "
+                                     "1 = this process only"),
 ) -> None:
     ctx.ensure_object(dict)
-    ctx.meta["window"] = Window(_time(start), _time(end), from_seq, list(subjects))
+    ctx.meta["window"] = Window(_time(start), _time(end), from_seq, list(subjects), workers)
 
 
-async def fold_window(settings, window: Window, state) -> int:
+AUTO_WORKERS_MIN_KV = 50_000  # below this many stored KV messages, one process is as fast
+
+
+async def fold_window(settings, window: Window, state, stats: dict | None = None) -> int:
+    """Fold the window's messages into ``state``; returns how many were applied.
+
+    ``window.workers`` > 1 (or 0 = automatic: the free cores, at most 4, when the KV stream
+    holds at least ``AUTO_WORKERS_MIN_KV`` messages) folds the KV-event subjects in that
+    many processes, each reading and folding a share of the pods, while this process folds
+    the other streams; the parts are then merged (:meth:`ReplayState.merge_kv_parts`).
+
+    ``stats``, if given, gets ``processes`` and the CPU seconds each used (``cpu_s``: this
+    process first, then the workers), to tell what parallel folding buys on a machine."""
     from consumers import bus
-    from consumers.replay import read_window
-    from streams.topology import build_topology
+    from consumers.replay import partition_subjects, read_window_batches, streams_for
+    from schemas import subjects as S
+    from streams.topology import build_topology, stream_for_subject
 
+    prefix = settings.nats.subject_prefix
+    workers = window.workers
+    cpu0 = time.process_time()
     nc = await bus.connect(settings.nats, name="infernex-replay")
     n = 0
     try:
-        topo = build_topology(settings.topology, settings.nats.subject_prefix)
-        async for msg in read_window(nc, topo, window.subjects, start_time=window.start, end_time=window.end,
-                                     start_seq=window.start_seq, prefix=settings.nats.subject_prefix):
-            state.apply(msg)
-            n += 1
+        topo = build_topology(settings.topology, prefix)
+        groups: list[list[str]] = []
+        skip: frozenset[str] = frozenset()
+        if workers != 1:
+            kv_stream = stream_for_subject(topo, S.with_prefix(prefix, S.kv_events("m", "p"))).name
+            kv_filters = streams_for(topo, [S.with_prefix(prefix, s) for s in window.subjects]).get(kv_stream, [])
+            if kv_filters:
+                strip = len(prefix) + 1 if prefix else 0
+                want = workers or _auto_workers()
+                groups, total = await partition_subjects(nc, topo, [f[strip:] for f in kv_filters], want,
+                                                         prefix=prefix)
+                if workers == 0 and total < AUTO_WORKERS_MIN_KV:
+                    groups = []
+                if len(groups) > 1:
+                    skip = frozenset({kv_stream})
+                else:
+                    groups = []
+        pool = None
+        futures = []
+        if groups:
+            pool = ProcessPoolExecutor(max_workers=len(groups), mp_context=multiprocessing.get_context("spawn"))
+            loop = asyncio.get_running_loop()
+            futures = [loop.run_in_executor(pool, _kv_worker, settings.nats, settings.topology, g, window)
+                       for g in groups]
+        try:
+            async for run in read_window_batches(nc, topo, window.subjects, start_time=window.start,
+                                                 end_time=window.end, start_seq=window.start_seq,
+                                                 prefix=prefix, skip_streams=skip):
+                state.apply_many(run)
+                n += len(run)
+            parts = await asyncio.gather(*futures)
+            if parts:
+                state.merge_kv_parts(p for p, _, _ in parts)
+                n += sum(k for _, k, _ in parts)
+            if stats is not None:
+                stats["processes"] = 1 + len(parts)
+                stats["cpu_s"] = [time.process_time() - cpu0] + [c for _, _, c in parts]
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
     finally:
         await nc.close()
     return n
+
+
+def _auto_workers() -> int:
+    """Cores that are free now (CPUs we may run on minus the 1-minute load), at most 4."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, int(cpus - os.getloadavg()[0] + 0.5)))
+
+
+def _kv_worker(nats_config, topology_config, subjects: list[str], window: Window) -> tuple[dict, int, float]:
+    """In a worker process: fold these KV subjects over the window; the part, its size and
+    the CPU seconds it took."""
+    from types import SimpleNamespace
+
+    from infernex.incident import ReplayState
+
+    cpu0 = time.process_time()
+    state = ReplayState()
+    sub = Window(window.start, window.end, window.start_seq, subjects, workers=1)
+    n = asyncio.run(fold_window(SimpleNamespace(nats=nats_config, topology=topology_config), sub, state))
+    part = state.kv_part()
+    return part, n, time.process_time() - cpu0
 
 
 def _settings(ctx):
