@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from consumers.indexer import QueryError, decode_snapshot, encode_snapshot, record_route, run_query
+from consumers.indexer import (QueryError, decode_snapshot, encode_snapshot, record_route, run_query,
+                               run_query_json)
 from schemas.kv import BlockStored, KvEventBatch
 from simulator.tokenizer import SimpleTokenizer
 from streams.clock import ManualClock
@@ -36,6 +39,13 @@ def test_every_input_form_gives_the_same_answer(setup):
     assert run_query(idx, {"model": "m", "prompt": text}, tok) == expect
     assert run_query(idx, {"model": "m", "block_hashes": block_keys(ids, BS)}) == expect
     assert run_query(idx, {"model": "other", "token_ids": ids}) == {"block_size": None, "pods": {}}
+    # the JSON-bytes entry point (HTTP, NATS) answers the same for every form, fast path or not
+    for body in ({"model": "m", "token_ids": ids}, {"model": "m", "block_hashes": block_keys(ids, BS)},
+                 {"model": "m", "token_ids": ids, "pods": ["p", "q"]}, {"model": "m", "messages": messages},
+                 {"model": "m", "prompt": text}, {"model": "other", "token_ids": ids}):
+        assert run_query_json(idx, json.dumps(body).encode(), tok) == run_query(idx, body, tok)
+    assert run_query_json(idx, json.dumps({"model": "m", "token_ids": ids, "pods": ["q"]}).encode()) == {
+        "block_size": BS, "pods": {"q": {"matched_blocks": 0, "tiers": {}, "score": 0.0, "predicted_blocks": 0}}}
 
 
 @pytest.mark.parametrize("body,needle", [
@@ -53,6 +63,16 @@ def test_bad_queries_are_400_with_a_message(setup, body, needle):
     with pytest.raises(QueryError) as exc:
         run_query(idx, body, None)
     assert exc.value.status == 400 and needle in str(exc.value)
+    with pytest.raises(QueryError) as exc:
+        run_query_json(idx, json.dumps(body).encode(), None)
+    assert exc.value.status == 400 and needle in str(exc.value)
+
+
+@pytest.mark.parametrize("data", [b"{nope", b"", b"\xff\xfe", b'{"model": "m", "token_ids": [1,]}'])
+def test_undecodable_query_bytes_are_400_invalid_json(setup, data):
+    with pytest.raises(QueryError) as exc:
+        run_query_json(setup[0], data)
+    assert exc.value.status == 400 and "invalid JSON" in str(exc.value)
 
 
 def test_record_route_and_snapshot_codec(setup):
@@ -67,6 +87,46 @@ def test_record_route_and_snapshot_codec(setup):
     assert restored == idx and restored.fingerprint() == idx.fingerprint()
     with pytest.raises(ValueError):
         decode_snapshot(b"\x80")
+
+
+def test_snapshot_of_several_tiers_pods_and_block_sizes_round_trips():
+    """Format 3 packs hashes and token rows; tokens shared by pods (and by blocks with other
+    parents) are stored once, per block size."""
+    import msgpack
+
+    idx = KvIndex(ManualClock())
+    a = [7, 8, 9, 10] * 3
+    idx.apply(KvEventBatch(pod="p", model="m", seq=0, ts=1.0, events=[
+        BlockStored(block_hashes=[1, 2, 3], token_ids=a, block_size=BS),
+        BlockStored(block_hashes=[(1 << 64) - 1], parent_block_hash=1, token_ids=a[:BS], block_size=BS,
+                    medium="CPU")]))
+    idx.apply(KvEventBatch(pod="q", model="m", seq=5, ts=2.0, events=[
+        BlockStored(block_hashes=[11, 12], token_ids=a[:2 * BS], block_size=BS, lora_name="ad")]))
+    idx.apply(KvEventBatch(pod="r", model="n", seq=0, ts=3.0, events=[
+        BlockStored(block_hashes=[21], token_ids=[(1 << 32) - 1, 0], block_size=2)]))
+    data = encode_snapshot(idx, 9, 1.5)
+    doc = msgpack.unpackb(data, strict_map_key=False)
+    assert doc["format"] == 3 and len(doc["tokens"][BS]) == BS * 4  # one distinct 4-token block
+    seq, created, batches = decode_snapshot(data)
+    restored = KvIndex(ManualClock())
+    restored.apply_many(batches)
+    assert (seq, created) == (9, 1.5) and restored == idx
+    assert restored.match_tokens("m", a, lora="ad")["q"].matched_blocks == 2
+    assert restored.match_tokens("n", [(1 << 32) - 1, 0])["r"].matched_blocks == 1
+
+
+def test_format_2_snapshots_are_still_read(setup):
+    import msgpack
+
+    idx, _, _, ids, n = setup
+    keys = block_keys(ids[: n * BS], BS)
+    raw = [b"".join(t.to_bytes(4, "little") for t in ids[i * BS:(i + 1) * BS]) for i in range(n)]
+    doc = {"format": 2, "stream_seq": 3, "created": 4.0, "tokens": dict(zip(keys, raw)),
+           "batches": [["p", "m", 0, 0, 1.0, [["s", list(range(1, n + 1)), None, keys, BS, None, None, None]]]]}
+    seq, _, batches = decode_snapshot(msgpack.packb(doc))
+    restored = KvIndex(ManualClock())
+    restored.apply_many(batches)
+    assert seq == 3 and restored == idx
 
 
 def test_fast_decoder_agrees_with_the_schema():
@@ -99,6 +159,11 @@ def test_fast_decoder_agrees_with_the_schema():
                          events=events)
         fast = _fast_batch(b.to_json())
         assert fast is not None and fast == b
+        assert fast.model_dump_json() == b.model_dump_json()  # same fields, same order
+    # token ids the index cannot key take the careful path (the consumer applies those one by one)
+    big = KvEventBatch(pod="p", model="m", seq=0, ts=1.0,
+                       events=[BlockStored(block_hashes=[1], token_ids=[1 << 32] * BS, block_size=BS)])
+    assert _fast_batch(big.to_json()) is None and decode_batch(big.to_json()) == big
     # what the fast path cannot take goes through pydantic: accepted (hex hashes) or rejected with a reason
     hexed = b'{"pod":"p","model":"m","seq":0,"ts":1,"events":[{"type":"removed","block_hashes":["00ff"]}]}'
     assert _fast_batch(hexed) is None and decode_batch(hexed).events[0].block_hashes == [255]
@@ -109,3 +174,42 @@ def test_fast_decoder_agrees_with_the_schema():
         assert _fast_batch(bad) is None
         with pytest.raises(ValidationFailure):
             decode_batch(bad)
+
+
+def _stored_json(**over) -> bytes:
+    ev = {"type": "stored", "block_hashes": [1], "token_ids": [1, 2, 3, 4], "block_size": BS} | over
+    return json.dumps({"pod": "p", "model": "m", "seq": 0, "ts": 1.0, "events": [ev]}).encode()
+
+
+@pytest.mark.parametrize("data,fast_ok", [
+    (_stored_json(block_hashes=[(1 << 64) - 1]), True),
+    (_stored_json(token_ids=[0, 1, 2, (1 << 32) - 1]), True),
+    (_stored_json(parent_block_hash=(1 << 64) - 1, medium="CPU"), True),
+    (_stored_json(block_hashes=[1 << 64]), False),  # too big: rejected by the schema too
+    (_stored_json(block_hashes=[-5]), False),  # signed: the schema masks it to 64 bits
+    (_stored_json(block_hashes=[]), False),
+    (_stored_json(token_ids=[0, 1, 2, 1 << 32]), False),  # valid, but the fold cannot key it
+    (_stored_json(token_ids=[0, 1, 2, -1]), False),
+    (_stored_json(medium="HBM"), False),
+    (_stored_json(parent_key=1 << 64), False),
+    (_stored_json(block_size=0), False),
+    (b'{"pod":"","model":"m","seq":0,"ts":1,"events":[]}', False),
+    (b'{"pod":"p","model":"m","seq":0,"ts":1,"events":[],"schema_version":99}', False),
+    (b'{"pod":"p","model":"m","seq":0,"ts":-1,"events":[]}', False),
+    (b'{"pod":"p","model":"m","seq":0,"ts":1,"events":[{"type":"removed","block_hashes":[18446744073709551616]}]}',
+     False),
+])
+def test_fast_decoder_takes_exactly_what_the_schema_and_fold_accept(data, fast_ok):
+    from consumers.indexer import _fast_batch, decode_batch
+    from schemas import ValidationFailure, decode_event
+
+    fast = _fast_batch(data)
+    assert (fast is not None) == fast_ok
+    if fast_ok:  # the same object pydantic validation builds
+        slow = decode_event(KvEventBatch, data)
+        assert fast == slow and fast.model_dump_json() == slow.model_dump_json()
+    else:  # the pydantic path decides: accepted as the schema says, or rejected with a reason
+        try:
+            decode_batch(data)
+        except ValidationFailure as exc:
+            assert str(exc)

@@ -138,6 +138,8 @@ async def test_consumes_and_answers_over_http_and_nats(service, nc, prefix):
         assert bad.status_code == 400 and "exactly one" in bad.json()["error"]
         bad = await http.post("/v1/index/query", content=b"{nope")
         assert bad.status_code == 400 and "invalid JSON" in bad.json()["error"]
+        bad = await http.get("/v1/index/query")
+        assert bad.status_code == 405 and bad.json()["error"]
         reply = await nc.request(S.with_prefix(prefix, S.KV_INDEX_QUERY), b'{"model": 3}', timeout=5)
         assert json.loads(reply.data)["status"] == 400
         # approximate mode: a recorded route shows up as predicted blocks
@@ -192,11 +194,13 @@ async def test_poison_messages_go_to_the_dead_letter_subject(service, nc, prefix
     assert service._dlq.count == 3
 
 
-async def test_snapshot_and_restart_in_process(nats_config, topology, nc, prefix):
+@pytest.mark.parametrize("fork", [True, False], ids=["forked-snapshots", "threaded-snapshots"])
+async def test_snapshot_and_restart_in_process(nats_config, topology, nc, prefix, fork):
     js = nc.jetstream()
     wl = Workload(seed=3)
     truth = KvIndex(ManualClock())
-    cfg = IndexerConfig(http_port=None, nats_query=False, durable="ix-snap", snapshot_every_events=10)
+    cfg = IndexerConfig(http_port=None, nats_query=False, durable="ix-snap", snapshot_every_events=10,
+                        snapshot_fork=fork)
     a = IndexerService(cfg, nats_config, registry=CollectorRegistry())
     await a.start()
     for _ in range(60):
@@ -225,6 +229,7 @@ async def test_snapshot_and_restart_in_process(nats_config, topology, nc, prefix
         await wait_for(b_done, what="second instance caught up")
         assert b_svc.index == truth
         assert b_svc.index.totals.stale_batches == 0  # resumed exactly after the snapshot
+        assert a.metrics.snapshots._value.get() >= 2  # periodic ones (every 10 batches) and the final one
     finally:
         await b_svc.stop()
         await js.delete_object_store(b_svc.bucket)
@@ -313,3 +318,85 @@ async def test_sigkill_mid_stream_then_restart_equals_ground_truth(nats_config, 
             await js.delete_object_store(f"{prefix}_kv-index-snapshots")
         except Exception:  # noqa: BLE001
             pass
+
+
+async def test_acks_follow_applies_and_a_delivery_gap_rereads_the_stream(nats_config, topology, nc, prefix):
+    js = nc.jetstream()
+    wl = Workload(seed=5)
+    truth = KvIndex(ManualClock())
+    registry = CollectorRegistry()
+    cfg = IndexerConfig(http_port=None, nats_query=False, durable="ix-acks", snapshot_every_events=10**6,
+                        snapshot_every_s=0.5)
+    svc = IndexerService(cfg, nats_config, registry=registry)
+    await svc.start()
+    try:
+        async def feed(n):
+            for _ in range(n):
+                b = wl.next()
+                truth.apply(b)
+                ack = await publish(js, prefix, b)
+            return ack.seq
+
+        last = await feed(50)
+
+        async def applied():
+            return svc.applied_seq >= last
+
+        await wait_for(applied, what="batches applied")
+
+        async def acked():  # AckPolicy.ALL on the last applied message: nothing left pending
+            info = await js.consumer_info(svc.stream, "ix-acks")
+            return info.ack_floor.stream_seq == last and info.num_ack_pending == 0
+
+        await wait_for(acked, what="all applied messages acked")
+        assert (await js.consumer_info(svc.stream, "ix-acks")).config.deliver_subject  # a push consumer
+
+        async def snapshotted():  # by time, while the stream is idle
+            return svc.snapshot_seq == last
+
+        await wait_for(snapshotted, what="idle snapshot")
+
+        # a message the client dropped shows as a jump of the delivery sequence: the service
+        # re-reads the stream from the last applied sequence, missing nothing, applying nothing twice
+        class Skipped:
+            subject = S.with_prefix(prefix, S.kv_events(MODEL, "p0"))
+            reply = f"$JS.ACK.{svc.stream}.ix-acks.1.{last + 7}.{svc._next_dseq + 3}.0.0"
+            data = b"{}"
+            headers = None
+
+        await svc._on_msg(Skipped())
+        last = await feed(30)
+        await wait_for(applied, what="batches after the re-read applied")
+        assert registry.get_sample_value("infernex_indexer_consumer_resyncs_total") == 1
+        assert svc.index == truth and svc.index.totals.stale_batches == 0
+        assert registry.get_sample_value("infernex_indexer_batches_total") == 80
+        assert svc._dlq.count == 0
+    finally:
+        await svc.stop()
+        await js.delete_object_store(svc.bucket)
+
+
+async def test_an_unreadable_snapshot_means_replaying_the_whole_stream(nats_config, topology, nc, prefix):
+    js = nc.jetstream()
+    wl = Workload(seed=9)
+    truth = KvIndex(ManualClock())
+    for _ in range(30):
+        b = wl.next()
+        truth.apply(b)
+        ack = await publish(js, prefix, b)
+    cfg = IndexerConfig(http_port=None, nats_query=False, durable="ix-bad", snapshot_on_stop=False)
+    svc = IndexerService(cfg, nats_config, registry=CollectorRegistry())
+    obj = await js.create_object_store(svc.bucket)
+    await obj.put("ix-bad", b"garbage, not an indexer snapshot")
+    await svc.start()
+    try:
+        assert svc.restored_batches == 0
+
+        async def applied():
+            return svc.applied_seq >= ack.seq
+
+        await wait_for(applied, what="the stream replayed")
+        assert svc.index == truth
+    finally:
+        await svc.stop()
+        await js.delete_object_store(svc.bucket)
