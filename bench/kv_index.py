@@ -4,7 +4,12 @@ NVIDIA Dynamo's RadixTree on the same workload.
 Workload (issue 4): 16 pods, N stored events of 16-64 blocks sharing prefixes (32 system
 prompts of 128 blocks, 2048 conversations of 384 more blocks; each pod stores conversations
 progressively and evicts the least recently used one past 40k blocks), then Q queries of
-128-512 blocks. Events are built before timing (pydantic construction is not measured).
+128-512 blocks. Events are built before timing (pydantic construction is not measured), in
+chunks of ``--chunk`` (2000) events, each with a fresh token-id list as a decoder would hand it
+over (a 20k-event chunk of pre-built events is ~0.5 GB of int objects, so the timed part would
+mostly measure cache misses on data the service never holds that long). Then ``dump()`` and a
+restore by applying it, for the final state and for twice as many pods (>= 1M pod blocks), and
+a side-by-side summary with Dynamo's figures from the same job.
 
     /work/venv/bin/python bench/kv_index.py [--events 200000] [--queries 20000]
         [--dynamo-python /tmp/dynamo-venv/bin/python]
@@ -65,7 +70,7 @@ class Gen:
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self.fam, self.own, self.conv_family = build_corpus(self.np_rng)
-        self.tokens = {}
+        self.tokens = {}  # conv -> its tokens (numpy: an event gets a fresh list, as decoded off the wire)
         self.progress = [dict() for _ in range(PODS)]  # conv -> stored blocks (LRU order)
         self.lru = [OrderedDict() for _ in range(PODS)]
         self.size = [0] * PODS
@@ -76,7 +81,7 @@ class Gen:
     def conv(self, c):
         t = self.tokens.get(c)
         if t is None:
-            t = self.tokens[c] = conv_tokens(self.fam, self.own, self.conv_family, c).tolist()
+            t = self.tokens[c] = conv_tokens(self.fam, self.own, self.conv_family, c)
         return t
 
     def batch(self) -> KvEventBatch:
@@ -99,7 +104,7 @@ class Gen:
         hashes = [ehash(self.conv_family, c, i) for i in range(start, start + n)]
         parent = ehash(self.conv_family, c, start - 1) if start > 0 else None
         events.append(BlockStored.model_construct(
-            type="stored", block_hashes=hashes, parent_block_hash=parent, token_ids=toks[start * BS:(start + n) * BS],
+            type="stored", block_hashes=hashes, parent_block_hash=parent, token_ids=toks[start * BS:(start + n) * BS].tolist(),
             block_size=BS, lora_id=None, lora_name=None, medium=None, parent_key=None))
         self.stored_events += 1
         f = self.conv_family[c]
@@ -128,7 +133,7 @@ class Gen:
         rng = self.rng
         c = min(int(rng.paretovariate(1.2)) - 1, CONVS - 1) if rng.random() < 0.5 else rng.randrange(CONVS)
         n = rng.randint(128, 512)
-        toks = self.conv(c)[: n * BS]
+        toks = self.conv(c)[: n * BS].tolist()
         if len(toks) < n * BS:
             toks = toks + [7] * (n * BS - len(toks))
         return toks
@@ -143,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--queries", type=int, default=20_000)
-    ap.add_argument("--chunk", type=int, default=20_000, help="events generated per timed chunk")
+    ap.add_argument("--chunk", type=int, default=2_000, help="events generated per timed chunk")
     ap.add_argument("--dynamo-python", default=None, help="python of a venv with ai-dynamo-runtime")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--service", action="store_true",
@@ -160,7 +165,7 @@ def main() -> None:
     idx = KvIndex(ManualClock())
     dyn_file = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) if args.dynamo_python else None
     ingest_s = ingest_cpu = 0.0
-    stored_blocks = removed_blocks = stored_events = 0
+    stored_blocks = removed_blocks = 0
     done = 0
     while gen.stored_events < args.events:
         chunk = []
@@ -212,14 +217,16 @@ def main() -> None:
     print(f"query match_tokens (hashing included): p50 {pct(lat_tokens, 50) * us:.1f}us "
           f"p99 {pct(lat_tokens, 99) * us:.1f}us; block_keys alone p50 {pct(lat_hash, 50) * us:.1f}us")
 
-    t0 = time.perf_counter()
+    dump_restore(idx, "final state")
+    # twice the pods (the dump applied again under other pod names): >= 1M pod blocks
+    big = KvIndex(ManualClock())
     dump = idx.dump()
-    t1 = time.perf_counter()
-    restored = KvIndex(ManualClock())
-    restored.apply_many(dump)
-    t2 = time.perf_counter()
-    print(f"dump {t1 - t0:.2f}s, restore {t2 - t1:.2f}s for {sum(sum(p.blocks.values()) for p in idx.pods().values())} "
-          f"pod blocks; equal: {restored == idx}")
+    big.apply_many(dump)
+    big.apply_many([b.model_copy(update={"pod": b.pod + "-b"}) for b in dump])
+    dump_restore(big, "doubled state")
+    ours = {"ingest": stored_blocks / ingest_s, "ingest_cpu": stored_blocks / ingest_cpu,
+            "p50": pct(lat_keys, 50), "p99": pct(lat_keys, 99)}
+    print(f"load average after our part: {os.getloadavg()[0]:.1f}")
 
     if dyn_file is not None:
         dyn_file.close()
@@ -229,91 +236,262 @@ def main() -> None:
         try:
             out = subprocess.run([args.dynamo_python, "-c", DYNAMO_SCRIPT, dyn_file.name, qfile.name],
                                  capture_output=True, text=True, timeout=3600)
-            print(out.stdout.strip() or out.stderr.strip()[-2000:])
+            lines = out.stdout.strip().splitlines()
+            print("\n".join(line for line in lines if not line.startswith("{")) or out.stderr.strip()[-2000:])
+            dyn = next((json.loads(line) for line in lines if line.startswith("{")), None)
         finally:
             os.unlink(dyn_file.name)
             os.unlink(qfile.name)
+        if dyn is not None:
+            print(f"load average after Dynamo's part: {os.getloadavg()[0]:.1f}")
+            print("side by side (same workload, same job):")
+            print(f"  ingest, M stored blocks/s (wall): ours {ours['ingest'] / 1e6:.2f}  dynamo {dyn['ingest'] / 1e6:.2f}"
+                  f"  ratio {ours['ingest'] / dyn['ingest']:.2f}x (goal >= 3x, ours >= 2M)")
+            print(f"  ingest, M stored blocks/s (CPU): ours {ours['ingest_cpu'] / 1e6:.2f}  dynamo "
+                  f"{dyn['ingest_cpu'] / 1e6:.2f}  ratio {ours['ingest_cpu'] / dyn['ingest_cpu']:.2f}x")
+            print(f"  query 128-512 blocks, us: ours p50 {ours['p50'] * us:.1f} p99 {ours['p99'] * us:.1f}  "
+                  f"dynamo p50 {dyn['p50'] * us:.1f} p99 {dyn['p99'] * us:.1f} (goal p99 <= 50)")
+
+
+def dump_restore(idx: KvIndex, label: str) -> None:
+    """dump() and restoring by applying it (what the service's recovery does after decoding)."""
+    blocks = sum(sum(p.blocks.values()) for p in idx.pods().values())
+    t0, c0 = time.perf_counter(), time.process_time()
+    dump = idx.dump()
+    t1, c1 = time.perf_counter(), time.process_time()
+    restored = KvIndex(ManualClock())
+    restored.apply_many(dump)
+    t2, c2 = time.perf_counter(), time.process_time()
+    events = sum(len(b.events) for b in dump)
+    print(f"{label}: dump {t1 - t0:.2f}s (CPU {c1 - c0:.2f}s), restore {t2 - t1:.2f}s (CPU {c2 - c1:.2f}s) for "
+          f"{blocks} pod blocks in {events} events; equal: {restored == idx}")
 
 
 async def service_bench(args) -> None:
-    """JetStream -> IndexerService: throughput, apply lag, HTTP query latency, recovery time."""
+    """JetStream -> IndexerService: throughput, apply lag, HTTP query latency, recovery time.
+
+    Phases, one nats-server (embedded, file storage) and one indexer, in this order:
+    drain (``--events`` batches published first, then the indexer reads the backlog), live
+    (half as many new batches published flat out by a separate publisher process, as a bridge
+    would, while the indexer consumes), paced (with ``--rate``: batches/s for ~10 s, apply lag),
+    HTTP queries, then stop (final snapshot) and restart from the snapshot. Pods keep up to
+    62.5k own blocks here, so the restart covers ~1M pod blocks.
+    """
     import asyncio
+    import gc
 
     import httpx
+    import msgpack
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
-    from consumers.indexer import IndexerConfig, IndexerService
+    from consumers.indexer import IndexerConfig, IndexerService, decode_batch
     from infernex.embedded_nats import EmbeddedNats
     from schemas import subjects as S
     from schemas.config import NatsConfig
     from streams.topology import build_topology
 
+    global CAPACITY
+    CAPACITY = 62_500  # 16 pods x 62.5k blocks: the issue's 1M-block recovery point
     gen = Gen(args.seed)
-    batches = []
-    while gen.stored_events < args.events:
-        batches.append(gen.batch())
-    payloads = [(S.kv_events(b.model, b.pod), b.model_dump_json().encode(), b.msg_id) for b in batches]
-    blocks = sum(len(e.block_hashes) for b in batches for e in b.events if e.type == "stored")
+
+    def make(n_events):
+        out = []
+        end = gen.stored_events + n_events
+        while gen.stored_events < end:
+            out.append(gen.batch())
+        return out
+
+    def encode(bs):
+        return [(S.kv_events(b.model, b.pod), b.model_dump_json().encode(), b.msg_id) for b in bs]
+
+    def stored_blocks(bs):
+        return sum(len(e.block_hashes) for b in bs for e in b.events if e.type == "stored")
+
+    def lag_counts(svc):
+        fam = svc.metrics.lag.collect()[0]
+        return [(float(s.labels["le"]), s.value) for s in fam.samples if s.name.endswith("_bucket")]
+
+    def lag_report(before, after):
+        diff = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
+        total = diff[-1][1]
+        if not total:
+            return "no batches"
+        parts = []
+        for q in (0.5, 0.99):
+            bound = next(le for le, c in diff if c >= q * total)
+            parts.append(f"p{int(q * 100)} <= {bound * 1e3:g} ms")
+        return ", ".join(parts) + " (histogram bucket bounds)"
+
+    drain = make(args.events)
+    live = make(max(1, args.events // 2))
+    paced = make(int(min(args.rate * 10, 100_000))) if args.rate else []
+    # as `infernex indexer` does after start: long-lived objects (here the workload) are left out
+    # of the cyclic GC's scans
+    gc.collect()
+    gc.freeze()
     store = tempfile.mkdtemp(prefix="bench-kv-index-")
     server = EmbeddedNats(store)
     server.start()
+    procs = []
     try:
         ncfg = NatsConfig(servers=[server.url])
         nc = await bus.connect(ncfg)
         js = nc.jetstream()
         await bus.apply_topology(js, build_topology())
-        cfg = IndexerConfig(http_port=0, durable="bench", snapshot_every_events=10**9, snapshot_every_s=10**6,
-                            fetch_batch=1024)
-        svc = IndexerService(cfg, ncfg, registry=CollectorRegistry())
-        await svc.start()
-        t0 = time.perf_counter()
-        window = max(1, int(args.rate / 50)) if args.rate else 2000
-        for i in range(0, len(payloads), window):
-            chunk = payloads[i:i + window]
-            if args.rate:
-                target = t0 + (i + len(chunk)) / args.rate
-                await asyncio.sleep(max(0.0, target - time.perf_counter()))
-            # stamp the engine time at publish, so the indexer's lag histogram is publish -> applied
-            acks = await asyncio.gather(*(js.publish(subj, data.replace(b'"ts":0.0', f'"ts":{time.time()}'.encode(), 1),
-                                                     headers={"Nats-Msg-Id": mid}) for subj, data, mid in chunk))
+        cfg = IndexerConfig(http_port=0, durable="bench", snapshot_every_events=10**9, snapshot_every_s=10**6)
+        print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+        # -- drain: the backlog is in the stream before the indexer starts
+        now = time.time()
+        for i in range(0, len(drain), 2000):
+            acks = await asyncio.gather(*(
+                js.publish(subj, data.replace(b'"ts":0.0', f'"ts":{now}'.encode(), 1), headers={"Nats-Msg-Id": mid})
+                for subj, data, mid in encode(drain[i:i + 2000])))
         last = acks[-1].seq
+        svc = IndexerService(cfg, ncfg, registry=CollectorRegistry())
+        t0, c0 = time.perf_counter(), time.process_time()
+        await svc.start()
         while svc.applied_seq < last:
             await asyncio.sleep(0.005)
-        dt = time.perf_counter() - t0
-        print(f"service: {len(batches)} batches / {blocks} stored blocks published and applied in {dt:.2f}s -> "
-              f"{blocks / dt / 1e6:.2f}M blocks/s, {len(batches) / dt:.0f} batches/s"
-              + (f" (paced at {args.rate:.0f}/s)" if args.rate else " (flat out)"))
-        lag = svc.metrics.lag.collect()[0]
-        buckets = [(float(s.labels["le"]), s.value) for s in lag.samples if s.name.endswith("_bucket")]
-        total = buckets[-1][1]
-        for q in (0.5, 0.99):
-            bound = next(le for le, c in buckets if c >= q * total)
-            print(f"apply lag p{int(q * 100)} <= {bound * 1e3:g} ms (histogram bucket bound)")
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        blocks = stored_blocks(drain)
+        print(f"drain (JetStream backlog -> indexer): {len(drain)} batches / {blocks} stored blocks in {dt:.2f}s -> "
+              f"{blocks / dt / 1e6:.2f}M blocks/s, {len(drain) / dt:.0f} batches/s; indexer CPU {dc:.2f}s -> "
+              f"{blocks / dc / 1e6:.2f}M blocks per CPU-second; load {os.getloadavg()[0]:.1f}")
+        # the same messages decoded and folded in process: how the service's CPU splits
+        ref = KvIndex(ManualClock())
+        dec_cpu = fold_cpu = 0.0
+        for i in range(0, len(drain), 2000):
+            datas = [data.replace(b'"ts":0.0', f'"ts":{now}'.encode(), 1) for _, data, _ in encode(drain[i:i + 2000])]
+            for j in range(0, len(datas), 256):  # in queues of the service's size (GC work alike)
+                c0 = time.process_time()
+                chunk = [decode_batch(d) for d in datas[j:j + 256]]
+                c1 = time.process_time()
+                ref.apply_many(chunk)
+                dec_cpu += c1 - c0
+                fold_cpu += time.process_time() - c1
+        assert ref == svc.index
+        print(f"  the same messages decoded and folded in process: decode {dec_cpu:.2f}s + fold {fold_cpu:.2f}s CPU "
+              f"(fold alone {blocks / fold_cpu / 1e6:.2f}M blocks per CPU-second)")
+
+        # -- live / paced: a publisher process (the bridge's JetStream leg) while the indexer consumes
+        async def run_publisher(batches, rate, label):
+            path = os.path.join(store, f"{label}.msgpack")
+            with open(path, "wb") as f:
+                f.write(msgpack.packb(encode(batches)))
+            proc = subprocess.Popen([sys.executable, "-P", "-c", PUBLISHER_SCRIPT, server.url, path, str(rate)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            assert proc.stdout.readline().strip() == "ready"
+            before = lag_counts(svc)
+            t0, c0 = time.perf_counter(), time.process_time()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out = await asyncio.to_thread(proc.stdout.readline)
+            proc.wait(timeout=30)
+            pub = json.loads(out)
+            while svc.applied_seq < pub["last_seq"]:
+                await asyncio.sleep(0.002)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            blocks = stored_blocks(batches)
+            print(f"{label} (publisher process -> JetStream -> indexer{', paced at %g batches/s' % rate if rate else ', flat out'}): "
+                  f"{len(batches)} batches / {blocks} stored blocks in {dt:.2f}s (published in {pub['seconds']:.2f}s) -> "
+                  f"{blocks / dt / 1e6:.2f}M blocks/s, {len(batches) / dt:.0f} batches/s; indexer CPU "
+                  f"{blocks / dc / 1e6:.2f}M blocks per CPU-second; apply lag {lag_report(before, lag_counts(svc))}; "
+                  f"load {os.getloadavg()[0]:.1f}")
+
+        await run_publisher(live, 0, "live")
+        if paced:
+            await run_publisher(paced, args.rate, "paced")
+
+        # -- HTTP queries: bodies encoded beforehand; a raw keep-alive client, then httpx for comparison
+        bodies = [json.dumps({"model": "bench", "token_ids": gen.query()}).encode() for _ in range(2000)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", svc.http_port)
+        def served():
+            return svc.registry.get_sample_value("infernex_indexer_query_seconds_sum", {"via": "http"}) or 0.0
+
+        served0 = served()
+        raw = []
+        for body in bodies:
+            t1 = time.perf_counter()
+            writer.write(b"POST /v1/index/query HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(n)
+            raw.append(time.perf_counter() - t1)
+            assert head.startswith(b"HTTP/1.1 200"), head
+        writer.close()
+        server_side = (served() - served0) / len(bodies)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.http_port}") as http:
             lats = []
-            for _ in range(2000):
+            for _ in range(500):
                 body = {"model": "bench", "token_ids": gen.query()}
                 t1 = time.perf_counter()
                 r = await http.post("/v1/index/query", json=body)
                 lats.append(time.perf_counter() - t1)
                 assert r.status_code == 200
-            print(f"HTTP query (128-512 blocks, tokens): p50 {pct(lats, 50) * 1e3:.2f} ms p99 {pct(lats, 99) * 1e3:.2f} ms")
+        print(f"HTTP query (128-512 blocks as token ids, 16 pods): raw client p50 {pct(raw, 50) * 1e3:.2f} ms "
+              f"p99 {pct(raw, 99) * 1e3:.2f} ms (server-side mean {server_side * 1e3:.2f} ms); httpx client with "
+              f"json= p50 {pct(lats, 50) * 1e3:.2f} ms p99 {pct(lats, 99) * 1e3:.2f} ms; load {os.getloadavg()[0]:.1f}")
+
+        # -- a snapshot (consumption pauses for the dump only), then stop and restart from it
         held = sum(sum(p.blocks.values()) for p in svc.index.pods().values())
+        t0 = time.perf_counter()
+        async with svc._lock:  # as the consumer takes it: no batch is applied meanwhile
+            task = await svc._start_snapshot()
         t1 = time.perf_counter()
-        await svc.stop()  # writes the final snapshot
+        await task
+        t2 = time.perf_counter()
+        how = "fork; a child dumps and encodes" if cfg.snapshot_fork else "dump; encoding follows"
+        print(f"snapshot of {held} pod blocks: consumption paused {t1 - t0:.2f}s ({how}), then stored "
+              f"{t2 - t1:.2f}s later alongside; load {os.getloadavg()[0]:.1f}")
+        await svc.stop()
         t2 = time.perf_counter()
         svc2 = IndexerService(cfg, ncfg, registry=CollectorRegistry())
         await svc2.start()
         t3 = time.perf_counter()
         ok = svc2.index == svc.index
         await svc2.stop()
-        print(f"snapshot of {held} pod blocks written in {t2 - t1:.2f}s; restart (load snapshot, resume) "
-              f"{t3 - t2:.2f}s ({svc2.restore_timings}); restored index equal: {ok}")
+        timings = ", ".join(f"{k} {v:.2f}s" if k != "bytes" else f"{v / 1e6:.1f} MB" for k, v in svc2.restore_timings.items())
+        print(f"restart at {held} pod blocks (connect, read snapshot, decode, apply, resume) {t3 - t2:.2f}s "
+              f"({timings}); restored index equal: {ok}; load {os.getloadavg()[0]:.1f}")
         await nc.close()
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
         server.stop()
         server.cleanup()
+
+
+PUBLISHER_SCRIPT = r"""
+import asyncio, json, sys, time
+import msgpack, nats
+url, path, rate = sys.argv[1], sys.argv[2], float(sys.argv[3])
+payloads = msgpack.unpackb(open(path, "rb").read())
+async def main():
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    window = max(1, int(rate / 100)) if rate else 1000
+    last = None
+    for i in range(0, len(payloads), window):
+        chunk = payloads[i:i + window]
+        if rate:
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+        now = f'"ts":{time.time()}'.encode()  # the engine time, so the indexer's lag is publish -> applied
+        acks = await asyncio.gather(*(js.publish(s, d.replace(b'"ts":0.0', now, 1), headers={"Nats-Msg-Id": m})
+                                      for s, d, m in chunk))
+        last = acks[-1].seq
+    print(json.dumps({"last_seq": last, "seconds": time.perf_counter() - t0}), flush=True)
+    await nc.close()
+asyncio.run(main())
+"""
 
 
 def to_dynamo(idx: KvIndex, batch: KvEventBatch) -> dict:
@@ -359,6 +537,8 @@ for k in keys:
     lat.append(time.perf_counter() - t0)
 lat.sort()
 print(f"dynamo find_matches: p50 {lat[len(lat)//2]*1e6:.1f}us p99 {lat[int(len(lat)*0.99)]*1e6:.1f}us")
+print(json.dumps({"ingest": blocks / dt, "ingest_cpu": blocks / dc, "p50": lat[len(lat)//2],
+                  "p99": lat[int(len(lat)*0.99)]}))
 """
 
 

@@ -7,12 +7,17 @@ Keys
     depend on how an engine hashes (sha256 over pickle or CBOR, seeded or not). Per pod and
     tier the index keeps ``engine hash -> key`` to resolve parents and removals.
 
-Data structure (built for ingest of millions of blocks/s and ~10 µs queries in Python)
+Data structure (per-block work in C-level dict passes; the cost left is cache misses)
     per model and tier ``key -> pod bitmask`` (one bit per pod slot), plus ``key -> bitmask``
     over all tiers when a model uses more than one tier. A query maps the dicts over the
     query keys and folds them with ``itertools.accumulate(and)`` in C, stopping at the first
     block no pod holds; because a prefix-AND only loses bits, the running masks decrease
     numerically, so each pod's matched length is found by bisection, not by a Python loop.
+    Per pod and tier the index also keeps the stored events themselves (parent key, engine
+    hashes, keys, token bytes: references, no per-block copies) for :meth:`KvIndex.dump`; a
+    block is still held when the pod's ``engine hash -> key`` map points at that very key
+    object, and the list is compacted when dead blocks outnumber held ones. Ingest thus does
+    a handful of C-level dict passes per event and no per-block Python work besides hashing.
 
 Deliberate handling of bad input (counted in :class:`ApplyStats`, never corrupting)
     * a batch whose ``(epoch, seq)`` is not newer than the pod's last one is dropped
@@ -32,10 +37,12 @@ Approximate mode
 
 Dump
     :meth:`KvIndex.dump` writes the exact state back out as events; restoring is
-    ``KvIndex(...).apply_many(dump)``. Dumped ``BlockStored`` events carry ``parent_key`` (our
-    key of the parent) so blocks whose parent the pod no longer holds survive a restore: they
-    become usable again when the parent is stored again. Predictions are transient and not
-    dumped; :meth:`KvIndex.state` (used by ``==``) is the exact state.
+    ``KvIndex(...).apply_many(dump)``. The events are rebuilt from the kept stored events: each
+    run of blocks a pod still holds becomes one ``BlockStored`` carrying ``parent_key`` (our key
+    of the parent), so replaying needs no parent lookups and blocks whose parent the pod no
+    longer holds survive a restore: they become usable again when the parent is stored again.
+    Predictions are transient and not dumped; :meth:`KvIndex.state` (used by ``==``) is the
+    exact state.
 """
 
 from __future__ import annotations
@@ -45,9 +52,11 @@ import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from collections import deque
 from dataclasses import dataclass, fields
+from functools import partial
 from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import and_, itemgetter, not_, or_
+from operator import and_, is_, not_, or_
 from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
@@ -58,8 +67,6 @@ from streams.clock import Clock
 PRIMARY_TIER = "GPU"
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "LOCAL_FILE": 0.5, "REMOTE": 0.3}
 _LITTLE = sys.byteorder == "little"
-_first = itemgetter(0)
-_second = itemgetter(1)
 
 
 # --------------------------------------------------------------------------------------- keys
@@ -130,7 +137,10 @@ class PodMatch(NamedTuple):
     predicted_blocks: int = 0  # matched blocks held only as predictions
 
 
-@dataclass
+_new_match = partial(tuple.__new__, PodMatch)  # PodMatch from a 4-tuple, without the Python-level __new__
+
+
+@dataclass(slots=True)
 class ApplyStats:
     batches: int = 0
     events: int = 0
@@ -150,12 +160,17 @@ class ApplyStats:
     rejected: int = 0  # events rejected (block size differs from the model's)
 
     def __iadd__(self, other: "ApplyStats") -> "ApplyStats":
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _STAT_NAMES:
+            v = getattr(other, name)
+            if v:
+                setattr(self, name, getattr(self, name) + v)
         return self
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_STAT_NAMES = tuple(f.name for f in fields(ApplyStats))
 
 
 @dataclass(frozen=True)
@@ -175,7 +190,7 @@ class PodInfo:
 
 
 class _Model:
-    __slots__ = ("name", "block_size", "tiers", "present", "info", "lora_of", "pred")
+    __slots__ = ("name", "block_size", "tiers", "present", "pred")
 
     def __init__(self, name: str):
         self.name = name
@@ -184,9 +199,6 @@ class _Model:
         # while the model only uses one tier)
         self.tiers: dict[str, dict[int, int]] = {}
         self.present: dict[int, int] = {}
-        # key -> (parent key or None, token bytes); only for keys some pod holds (for dump)
-        self.info: dict[int, tuple[int | None, bytes]] = {}
-        self.lora_of: dict[int, tuple[int | None, str | None]] = {}
         self.pred: dict[int, int] = {}  # key -> mask of pods predicted to hold it
 
     def tier(self, name: str) -> dict[int, int]:
@@ -205,9 +217,45 @@ class _Model:
         return len(self.tiers) > 1
 
 
+# A kept ``BlockStored`` (for dump), a plain tuple because one is built per event:
+# (parent key or None, engine hashes, our keys, uint32-LE token bytes, lora_id, lora_name).
+# ``keys`` holds the very int objects the pod's ``engine hash -> key`` map points at, so a
+# block is still held by the pod exactly when ``emap.get(hash) is key``.
+_Rec = tuple
+
+
+def _live_parts(rec: _Rec, emap_get, w: int) -> Sequence[_Rec]:
+    """The runs of ``rec``'s blocks the pod still holds, each as a kept event of its own."""
+    parent, hashes, keys, data, lora_id, lora_name = rec
+    live = list(map(is_, map(emap_get, hashes), keys))
+    if all(live):
+        return (rec,)
+    if True not in live:
+        return ()
+    n = len(live)
+    out = []
+    i = live.index(True)
+    while True:
+        try:
+            j = live.index(False, i)
+        except ValueError:
+            j = n
+        if i == 0:
+            out.append((parent, hashes[:j], keys[:j], data[:j * w], lora_id, lora_name))
+        else:
+            out.append((keys[i - 1], hashes[i:j], keys[i:j], data[i * w:j * w], None, None))
+        if j == n:
+            break
+        try:
+            i = live.index(True, j)
+        except ValueError:
+            break
+    return out
+
+
 class _Pod:
     __slots__ = ("name", "slot", "bit", "model", "epoch", "seq", "last_event_ts", "last_seen", "emaps",
-                 "extra", "pred_exp", "exact")
+                 "extra", "pred_exp", "exact", "recs", "rec_n")
 
     def __init__(self, name: str, slot: int):
         self.name = name
@@ -222,6 +270,8 @@ class _Pod:
         self.extra: dict[str, dict[int, int]] = {}  # tier -> key -> extra references (aliases)
         self.pred_exp: dict[tuple[str, int], float] = {}  # (model, key) -> expiry
         self.exact = False  # has sent KV events
+        self.recs: dict[str, list[_Rec]] = {}  # tier -> kept stored events, oldest first (for dump)
+        self.rec_n: dict[str, int] = {}  # tier -> blocks in those events, held or not
 
     def emap(self, tier: str) -> dict[int, int]:
         d = self.emaps.get(tier)
@@ -243,15 +293,14 @@ class _Pod:
         return None
 
 
-def _tier_of(medium: str | None) -> str:
-    return medium or PRIMARY_TIER
-
-
 # ------------------------------------------------------------------------------------ the fold
 
 
 class KvIndex:
     """Which pod holds which KV blocks, per model and tier; see the module docstring."""
+
+    # kept events of a pod and tier are compacted past 2 x held blocks + this many
+    _compact_slack = 4096
 
     def __init__(self, clock: Clock, *, tier_weights: dict[str, float] | None = None,
                  predicted_ttl_s: float = 120.0, predict_on_route_ttl_s: float = 2.0,
@@ -277,6 +326,7 @@ class KvIndex:
         self._pods: dict[str, _Pod] = {}
         self._by_slot: dict[int, _Pod] = {}
         self._free_slots: list[int] = []
+        self._names_of: dict[int, tuple[str, ...]] = {}  # slot mask -> pod names (query output)
         self._next_slot = 0
         self._gone: dict[str, tuple[str, int, int, float]] = {}  # pod -> (model, epoch, seq, ts)
         self._pred_heap: list[tuple[float, int, str, str, list[int]]] = []
@@ -301,6 +351,7 @@ class KvIndex:
                 self._next_slot += 1
             p = self._pods[name] = _Pod(name, slot)
             self._by_slot[slot] = p
+            self._names_of.clear()
         return p
 
     def _clear_pod(self, pod: _Pod, tier: str | None = None) -> int:
@@ -314,21 +365,20 @@ class KvIndex:
         for t in tiers:
             emap = pod.emaps.pop(t, None)
             pod.extra.pop(t, None)
+            pod.recs.pop(t, None)
+            pod.rec_n.pop(t, None)
             if not emap or m is None:
                 continue
             n += len(emap)
             tm = m.tiers.get(t, {})
-            for key in set(emap.values()):
-                v = tm.get(key, 0) & nb
-                if v:
-                    tm[key] = v
-                else:
-                    tm.pop(key, None)
-                if m.multi:
+            keys = list(set(emap.values()))
+            new = list(map(and_, map(tm.get, keys, repeat(0)), repeat(nb)))
+            tm.update(zip(keys, new))
+            if 0 in new:
+                deque(map(tm.pop, compress(keys, map(not_, new)), repeat(None)), 0)
+            if m.multi:
+                for key in keys:
                     self._recompute_present(m, key)
-                elif not v:
-                    m.info.pop(key, None)
-                    m.lora_of.pop(key, None)
         return n
 
     def _recompute_present(self, m: _Model, key: int) -> None:
@@ -339,8 +389,6 @@ class KvIndex:
             m.present[key] = v
         else:
             m.present.pop(key, None)
-            m.info.pop(key, None)
-            m.lora_of.pop(key, None)
 
     def _clear_predictions(self, pod: _Pod) -> None:
         nb = ~pod.bit
@@ -363,6 +411,7 @@ class KvIndex:
         self._clear_pod(p)
         self._clear_predictions(p)
         del self._by_slot[p.slot]
+        self._names_of.clear()
         heapq.heappush(self._free_slots, p.slot)
 
     # ------------------------------------------------------------------------------- apply
@@ -376,7 +425,11 @@ class KvIndex:
         return st
 
     def apply(self, batch: KvEventBatch) -> ApplyStats:
-        """Fold one batch in; returns what happened (also added to :attr:`totals`)."""
+        """Fold one batch in; returns what happened (also added to :attr:`totals`).
+
+        ``token_ids`` of a ``BlockStored`` may be any sequence of ints; an ``array("I")`` is
+        copied in C, so a snapshot loader can hand token bytes over without building lists.
+        """
         st = ApplyStats()
         self._apply(batch, st)
         self.totals += st
@@ -437,17 +490,22 @@ class KvIndex:
         elif bs != m.block_size:
             st.rejected += 1
             return
-        tier = _tier_of(ev.medium)
+        tier = ev.medium or PRIMARY_TIER
         hashes = ev.block_hashes
         n = len(hashes)
+        lora_id = lora_name = None
         if ev.parent_key is not None:  # an index dump names our parent key directly
             parent = seed = ev.parent_key
         elif ev.parent_block_hash is None:
             parent = None
-            seed = root_seed(ev.lora_id if ev.lora_id is not None else ev.lora_name) \
-                if (ev.lora_id is not None or ev.lora_name is not None) else 0
+            lora_id, lora_name = ev.lora_id, ev.lora_name
+            seed = 0 if lora_id is None and lora_name is None else \
+                root_seed(lora_id if lora_id is not None else lora_name)
         else:
-            parent = pod.find_parent(ev.parent_block_hash, tier)
+            em = pod.emaps.get(tier)  # the parent is almost always in the same tier
+            parent = em.get(ev.parent_block_hash) if em is not None else None
+            if parent is None:
+                parent = pod.find_parent(ev.parent_block_hash, tier)
             if parent is None:
                 st.unknown_parent += 1
                 st.unknown_parent_blocks += n
@@ -462,48 +520,39 @@ class KvIndex:
             arr.byteswap()
         data = arr.tobytes()
         w = bs * 4
-        chunks = list(map(data.__getitem__, map(slice, range(0, n * w, w), range(w, n * w + 1, w))))
         keys = []
         ap = keys.append
         h64 = xxh3_64_intdigest
-        for c in chunks:
-            seed = h64(c, seed)
+        for i in range(0, n * w, w):
+            seed = h64(data[i:i + w], seed)
             ap(seed)
-        tm = m.tiers.get(tier) or m.tier(tier)
+        tm = m.tiers.get(tier)
+        if tm is None:
+            tm = m.tier(tier)
         emap = pod.emaps.get(tier)
         if emap is None:
             emap = pod.emap(tier)
         bit = pod.bit
-        old = list(map(tm.get, keys, repeat(0)))
         st.blocks_stored += n
         n0 = len(emap)
-        if not any(map(and_, old, repeat(bit))) and emap.keys().isdisjoint(hashes):
-            emap.update(zip(hashes, keys))
-            fast = len(emap) == n0 + n
-            if not fast:  # the same engine hash twice in one event: undo, take the careful path
-                for h in hashes:
-                    emap.pop(h, None)
-        else:
-            fast = False
+        # insert hash -> key where the hash is new; ``got`` is what each hash maps to now
+        got = list(map(emap.setdefault, hashes, keys))
+        old = list(map(tm.get, keys, repeat(0)))
+        # fast when every engine hash is new for this pod and tier and no key is held by it yet
+        fast = len(emap) == n0 + n and not any(map(and_, old, repeat(bit)))
         if fast:
-            # every block is new for this pod and tier
             tm.update(zip(keys, map(or_, old, repeat(bit))))
             if m.present is not tm:
                 pres = m.present
                 pres.update(zip(keys, map(or_, map(pres.get, keys, repeat(0)), repeat(bit))))
-            # (parent, tokens) of keys no pod held before (a held key already has them)
-            if m.present is not tm or not any(old):
-                keys_before = keys[:-1]
-                keys_before.insert(0, parent)
-                m.info.update(zip(keys, zip(keys_before, chunks)))
-            elif 0 in old:
-                keys_before = keys[:-1]
-                keys_before.insert(0, parent)
-                m.info.update(compress(zip(keys, zip(keys_before, chunks)), map(not_, old)))
-        else:
-            prev = parent
+        if not fast:
+            # careful path (known hash, alias, the same hash twice): undo our inserts, go block by block
+            if len(emap) != n0:
+                for h, g, k in zip(hashes, got, keys):
+                    if g is k:
+                        del emap[h]
             extra = pod.extra.setdefault(tier, {})
-            for h, k, c in zip(hashes, keys, chunks):
+            for h, k in zip(hashes, keys):
                 have = emap.get(h)
                 if have == k:
                     st.duplicates += 1
@@ -513,13 +562,31 @@ class KvIndex:
                     self._add_one(m, pod, tier, h, k, extra, st)
                 else:
                     self._add_one(m, pod, tier, h, k, extra, st)
-                if k not in m.info:
-                    m.info[k] = (prev, c)
-                prev = k
             if not extra:
                 pod.extra.pop(tier, None)
-        if parent is None and (ev.lora_id is not None or ev.lora_name is not None):
-            m.lora_of[keys[0]] = (ev.lora_id, ev.lora_name)
+        # keep the event for dump (references only); compact when dead blocks dominate
+        recs = pod.recs.get(tier)
+        if recs is None:
+            recs = pod.recs[tier] = []
+        recs.append((parent, hashes, keys, data, lora_id, lora_name))
+        rn = pod.rec_n.get(tier, 0) + n
+        if rn > 2 * len(emap) + self._compact_slack:
+            self._compact(m, pod, tier)
+        else:
+            pod.rec_n[tier] = rn
+
+    def _compact(self, m: _Model, pod: _Pod, tier: str) -> None:
+        """Rewrite the pod's kept events of ``tier`` as the runs of blocks it still holds."""
+        eget = pod.emaps.get(tier, {}).get
+        w = (m.block_size or 0) * 4
+        out: list[tuple] = []
+        total = 0
+        for rec in pod.recs.get(tier, ()):
+            for part in _live_parts(rec, eget, w):
+                out.append(part)
+                total += len(part[1])
+        pod.recs[tier] = out
+        pod.rec_n[tier] = total
 
     def _add_one(self, m: _Model, pod: _Pod, tier: str, h: int, k: int, extra: dict[int, int],
                  st: ApplyStats) -> None:
@@ -559,13 +626,10 @@ class KvIndex:
             tm.pop(k, None)
         if m.present is not tm:
             self._recompute_present(m, k)
-        elif not v:
-            m.info.pop(k, None)
-            m.lora_of.pop(k, None)
         return True
 
     def _removed(self, m: _Model, pod: _Pod, ev: BlockRemoved, st: ApplyStats) -> None:
-        tier = _tier_of(ev.medium)
+        tier = ev.medium or PRIMARY_TIER
         emap = pod.emaps.get(tier)
         hashes = ev.block_hashes
         if not emap:
@@ -575,7 +639,7 @@ class KvIndex:
             for h in hashes:  # careful path: aliases or several tiers
                 self._remove_one(m, pod, tier, h, st)
             return
-        # fast path (one tier, no aliases): batch the dict work in C
+        # fast path (one tier, no aliases: each key is held under one hash): the dict work in C
         keys = list(map(emap.pop, hashes, repeat(None)))
         unknown = keys.count(None)
         if unknown:
@@ -585,14 +649,8 @@ class KvIndex:
         tm = m.tiers[tier]
         new = list(map(and_, map(tm.__getitem__, keys), repeat(~pod.bit)))
         tm.update(zip(keys, new))
-        if 0 in new:
-            info = m.info
-            lora_of = m.lora_of
-            for k in compress(keys, map(not_, new)):
-                del tm[k]
-                del info[k]
-                if lora_of:
-                    lora_of.pop(k, None)
+        if 0 in new:  # no pod holds these any more
+            deque(map(tm.__delitem__, compress(keys, map(not_, new))), 0)
 
     # ----------------------------------------------------------------------- predictions
 
@@ -687,10 +745,14 @@ class KvIndex:
     def _empty(self, pods: Iterable[str] | None) -> dict[str, PodMatch]:
         if pods is None:
             return {}
-        return {p: PodMatch(0, 0.0, {}, 0) for p in pods}
+        return {p: _new_match((0, 0.0, {}, 0)) for p in pods}
 
     def match_keys(self, model: str, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
-        """Matched prefix per pod for already-computed block keys (see :func:`block_keys`)."""
+        """Matched prefix per pod for already-computed block keys (see :func:`block_keys`).
+
+        Pods with the same match share one (immutable) :class:`PodMatch`; treat its ``tiers``
+        dict as read-only.
+        """
         if pods is not None:
             pods = list(pods)
         m = self._models.get(model)
@@ -698,7 +760,10 @@ class KvIndex:
             return self._empty(pods)
         if self._pred_heap:
             self._expire(self.clock.now())
-        allowed = self._allowed(pods)
+        if pods is None and self.pod_timeout_s is None:
+            allowed = (1 << self._next_slot) - 1
+        else:
+            allowed = self._allowed(pods)
         present = m.present
         pred = m.pred
         if pred:
@@ -706,40 +771,62 @@ class KvIndex:
         else:
             vals = map(present.get, keys, repeat(0))
         acc = list(takewhile(bool, accumulate(vals, and_, initial=allowed)))
-        # acc[0] = allowed; acc[i] = pods holding blocks 0..i-1; non-increasing as integers
-        lengths: dict[int, int] = {}  # slot mask group -> matched
+        # acc[0] = allowed; acc[i] = pods holding blocks 0..i-1; non-increasing as integers,
+        # so each run of equal masks ends where bisection on the reversed list says
         n = len(acc)
+        if n == 1:
+            return self._empty(pods)
         rev = acc[::-1]
+        groups: list[tuple[int, int]] = []  # (pods that stop matching here, matched blocks)
         j = 1
         while j < n:
             v = acc[j]
             nxt = n - bisect_left(rev, v)  # first index after the run of v
             lost = v & ~acc[nxt] if nxt < n else v
             if lost:
-                lengths[lost] = nxt - 1
+                groups.append((lost, nxt - 1))
             j = nxt
         out: dict[str, PodMatch] = {}
-        if not lengths:
-            return self._empty(pods)
-        simple = not m.multi and not pred
-        tier_name = next(iter(m.tiers), PRIMARY_TIER)
-        weight = self.tier_weights.get(tier_name, 1.0)
-        detail = None if simple else self._detail(m, keys, n - 1)
-        by_slot = self._by_slot
-        for mask, matched in lengths.items():
-            while mask:
-                low = mask & -mask
-                mask ^= low
-                p = by_slot[low.bit_length() - 1]
-                if simple:
-                    out[p.name] = PodMatch(matched, matched * weight, {tier_name: matched}, 0)
+        names_of = self._names_of
+        if not m.multi and not pred:
+            tier_name = next(iter(m.tiers), PRIMARY_TIER)
+            weight = self.tier_weights.get(tier_name, 1.0)
+            for mask, matched in groups:
+                names = names_of.get(mask)
+                if names is None:
+                    names = self._names(mask)
+                pm = _new_match((matched, matched * weight, {tier_name: matched}, 0))
+                if len(names) == 1:
+                    out[names[0]] = pm
                 else:
-                    out[p.name] = self._tiered(detail, low, matched)
+                    out.update(zip(names, repeat(pm)))
+        else:
+            detail = self._detail(m, keys, n - 1)
+            by_slot = self._by_slot
+            for mask, matched in groups:
+                while mask:
+                    low = mask & -mask
+                    mask ^= low
+                    out[by_slot[low.bit_length() - 1].name] = self._tiered(detail, low, matched)
         if pods is not None:
             for name in pods:
                 if name not in out:
-                    out[name] = PodMatch(0, 0.0, {}, 0)
+                    out[name] = _new_match((0, 0.0, {}, 0))
         return out
+
+    def _names(self, mask: int) -> tuple[str, ...]:
+        """Pod names of a slot mask (cached per mask until a pod joins or leaves)."""
+        names = []
+        by_slot = self._by_slot
+        v = mask
+        while v:
+            low = v & -v
+            v ^= low
+            names.append(by_slot[low.bit_length() - 1].name)
+        if len(self._names_of) > 4096:
+            self._names_of.clear()
+        t = self._names_of[mask] = tuple(names)
+        return t
 
     def _detail(self, m: _Model, keys: Sequence[int], n: int) -> list[tuple[str | None, float, list[int]]]:
         """Per category (tiers by weight, then predicted): mask of pods whose best holding it is."""
@@ -839,59 +926,37 @@ class KvIndex:
     def dump(self) -> list[KvEventBatch]:
         """The exact state as events: ``KvIndex(clock).apply_many(index.dump())`` restores it.
 
-        Per pod and tier, chains of blocks (each block followed by its first child) become one
-        ``BlockStored`` carrying ``parent_key``; the dict work is done with C-level maps.
+        Per pod and tier, every run of blocks still held out of one kept stored event becomes
+        one ``BlockStored`` carrying ``parent_key`` (our key of the run's parent), so replaying
+        needs no parent lookups and blocks whose parent is gone survive. Each held
+        ``engine hash -> key`` pair is written exactly once.
         """
         out: list[KvEventBatch] = []
         for name, p in list(self._pods.items()):
             if not p.exact or p.model is None:
                 continue
             m = self._models[p.model]
-            info_get = m.info.__getitem__
+            bs = m.block_size
+            w = (bs or 0) * 4
             events = []
-            aliases = []
             for t, e in list(p.emaps.items()):
                 if not e:
                     continue
                 medium = None if t == PRIMARY_TIER else t
-                hashes = sorted(e)
-                keys = list(map(e.__getitem__, hashes))
-                inv = dict(zip(reversed(keys), reversed(hashes)))  # key -> its smallest engine hash
-                if len(inv) != len(hashes):
-                    aliases.extend((k, h, medium) for h, k in zip(hashes, keys) if inv[k] != h)
-                keys = list(inv)
-                parents = list(map(_first, map(info_get, keys)))
-                first_child = dict(zip(reversed(parents), reversed(keys)))  # parent -> first child
-                starts = [k for k, par in zip(keys, parents) if par not in inv or first_child[par] != k]
-                fc_get = first_child.get
-                limit = len(keys)
-                for start in starts:
-                    run = [start]
-                    cur = fc_get(start)
-                    while cur is not None and len(run) <= limit:
-                        run.append(cur)
-                        cur = fc_get(cur)
-                    events.append(self._dump_stored(m, run, list(map(inv.__getitem__, run)),
-                                                    info_get(start)[0], medium))
-            for k, h, medium in aliases:
-                events.append(self._dump_stored(m, [k], [h], info_get(k)[0], medium))
+                eget = e.get
+                for rec in p.recs.get(t, ()):
+                    for parent, hashes, _, data, lora_id, lora_name in _live_parts(rec, eget, w):
+                        toks = array("I")
+                        toks.frombytes(data)
+                        if not _LITTLE:
+                            toks.byteswap()
+                        events.append(BlockStored.model_construct(
+                            type="stored", block_hashes=list(hashes), parent_block_hash=None,
+                            token_ids=toks.tolist(), block_size=bs, lora_id=lora_id, lora_name=lora_name,
+                            medium=medium, parent_key=parent))
             out.append(KvEventBatch.model_construct(
                 schema_version=1, pod=name, model=p.model, dp_rank=0, epoch=p.epoch or 0, seq=p.seq or 0,
                 ts=p.last_event_ts or 0.0, events=events))
         for name, (model, epoch, seq, ts) in list(self._gone.items()):
             out.append(KvEventBatch(pod=name, model=model, epoch=epoch, seq=seq, ts=ts, events=[PodGone()]))
         return out
-
-    @staticmethod
-    def _dump_stored(m: _Model, run: list[int], hashes: list[int], parent: int | None,
-                     medium: str | None) -> BlockStored:
-        lora_id = lora_name = None
-        if parent is None and run[0] in m.lora_of:
-            lora_id, lora_name = m.lora_of[run[0]]
-        toks = array("I")
-        toks.frombytes(b"".join(map(_second, map(m.info.__getitem__, run))))
-        if not _LITTLE:
-            toks.byteswap()
-        return BlockStored.model_construct(
-            type="stored", block_hashes=hashes, parent_block_hash=None, token_ids=toks.tolist(),
-            block_size=m.block_size, lora_id=lora_id, lora_name=lora_name, medium=medium, parent_key=parent)

@@ -101,7 +101,13 @@ async def test_simulator_bridge_indexer_agree_with_engine_caches(nats_config, nc
 
         js = nc.jetstream()
 
+        pods = sorted(engines)
+
         async def all_applied():
+            # every batch each engine sent has reached its bridge (PUB/SUB delivers asynchronously) ...
+            if any(b.tracker.last_seq != pubs[p].next_seq - 1 for p, b in zip(pods, bridges)):
+                return False
+            # ... been published, and been folded by the indexer
             if any(b.stats.published < b.stats.frames for b in bridges):
                 return False
             last = (await js.stream_info(stream)).state.last_seq

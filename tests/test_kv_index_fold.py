@@ -412,3 +412,131 @@ def test_matches_agree_with_naive_replay_and_removed_never_reported(events):
                 else:
                     break
             assert (got[pod].matched_blocks if pod in got else 0) == expect, (pod, path)
+
+
+# ------------------------------------------------------------- fast paths and kept events
+
+
+def test_fast_store_undoes_itself_on_a_partial_alias(idx):
+    """One event mixing new blocks and a block the pod already holds under another hash."""
+    f = Feed(idx)
+    f("a", stored([1, 2], [1, 2]))
+    f("b", stored([5], [1]))  # shared with another pod: its bit must survive the undo
+    st = f("a", stored([7, 8, 9], [1, 2, 3]))  # hashes 7, 8 alias keys a holds; 9 is new
+    assert (st.aliases, st.duplicates, st.blocks_stored) == (2, 0, 3)
+    assert matched(idx, [1, 2, 3]) == {"a": 3, "b": 1}
+    f("a", BlockRemoved(block_hashes=[1, 2]))  # the aliases keep the keys held
+    assert matched(idx, [1, 2, 3]) == {"a": 3, "b": 1}
+    f("a", BlockRemoved(block_hashes=[7]))
+    assert matched(idx, [1, 2, 3]) == {"b": 1}
+    assert sorted(idx.state()["pods"]["a"][4]["GPU"])[0][0] == 8
+    restored = KvIndex(ManualClock())
+    restored.apply_many(idx.dump())
+    assert restored == idx
+
+
+def test_same_hash_twice_in_one_event_takes_the_careful_path(idx):
+    f = Feed(idx)
+    st = f("a", stored([4, 4], [1, 2]))  # the engine reused a hash inside one event
+    assert st.blocks_removed == 1  # the first content is replaced by the second
+    assert idx.state()["pods"]["a"][4]["GPU"] == [(4, block_keys(toks(1, 2), BS)[1])]
+    assert matched(idx, [1, 2]) == {}  # block 2 is held but its parent is not
+    restored = KvIndex(ManualClock())
+    restored.apply_many(idx.dump())
+    assert restored == idx
+
+
+def test_removal_of_shared_and_exclusive_blocks(idx):
+    f = Feed(idx)
+    f("a", stored([1, 2, 3], [1, 2, 3]))
+    f("b", stored([1, 2], [1, 2]))
+    st = f("a", BlockRemoved(block_hashes=[3, 2, 99]))  # 3 only a holds, 2 shared with b
+    assert (st.blocks_removed, st.unknown_removed) == (2, 1)
+    assert matched(idx, [1, 2, 3]) == {"a": 1, "b": 2}
+    assert len(idx) == 2  # block 3 left the index entirely
+
+
+def test_kept_events_are_compacted_and_dump_stays_exact():
+    """Thousands of stored-then-evicted blocks: the kept events shrink, dump still restores."""
+    idx = KvIndex(ManualClock())
+    f = Feed(idx)
+    f("a", stored([1, 2], [1, 2]))  # a prefix kept throughout
+    rng = random.Random(7)
+    live: list[list[int]] = []
+    h = 100
+    for i in range(1500):
+        hashes = list(range(h, h + 8))
+        h += 8
+        f("a", BlockStored(block_hashes=hashes, parent_block_hash=2,
+                           token_ids=[rng.randrange(1000) for _ in range(8 * BS)], block_size=BS))
+        live.append(hashes)
+        if len(live) > 20:  # evict an old chain, sometimes only its tail (a partly held event)
+            old = live.pop(rng.randrange(len(live) - 5))
+            f("a", BlockRemoved(block_hashes=old[rng.choice([0, 3]):]))
+    pod = idx._pods["a"]
+    held = sum(len(e) for e in pod.emaps.values())
+    kept = sum(len(r[1]) for r in pod.recs["GPU"])
+    assert kept <= 2 * held + 4096 < 1500 * 8  # compacted: far fewer than were stored
+    restored = KvIndex(ManualClock())
+    restored.apply_many(idx.dump())
+    assert restored == idx
+    assert matched(restored, [1, 2]) == matched(idx, [1, 2]) == {"a": 2}
+    assert restored.dump() == idx.dump()
+
+
+def test_lora_root_chain_survives_dump(idx):
+    f = Feed(idx)
+    f("a", BlockStored(block_hashes=[1, 2], token_ids=toks(1, 2), block_size=BS, lora_name="ad"))
+    f("a", BlockRemoved(block_hashes=[2]))
+    keys = block_keys(toks(1, 2), BS, lora="ad")
+    assert {p: m.matched_blocks for p, m in idx.match_keys("m", keys).items()} == {"a": 1}
+    restored = KvIndex(ManualClock())
+    restored.apply_many(idx.dump())
+    assert restored == idx
+    assert {p: m.matched_blocks for p, m in restored.match_keys("m", keys).items()} == {"a": 1}
+    assert idx.match_keys("m", block_keys(toks(1, 2), BS)) == {}  # without the adapter: no match
+
+
+def test_query_results_per_pod_with_many_pods(idx):
+    f = Feed(idx)
+    for i in range(20):  # pod i holds the first i % 5 + 1 blocks
+        n = i % 5 + 1
+        f(f"p{i:02d}", stored(range(1, n + 1), range(1, n + 1)))
+    got = idx.match_tokens("m", toks(1, 2, 3, 4, 5, 6))
+    assert {p: m.matched_blocks for p, m in got.items()} == {f"p{i:02d}": i % 5 + 1 for i in range(20)}
+    assert all(m.tiers == {"GPU": m.matched_blocks} and m.score == m.matched_blocks for m in got.values())
+    f("p03", PodGone())  # slot freed: the pod leaves the answers
+    got = idx.match_tokens("m", toks(1, 2), pods=["p03", "p04"])
+    assert {p: m.matched_blocks for p, m in got.items()} == {"p03": 0, "p04": 2}
+
+
+@PROP
+@given(st.one_of(workloads(), workloads(media=(None,))))
+def test_eager_compaction_keeps_state_dump_and_matches(events):
+    """With compaction after every stored event, everything equals the uncompacted index."""
+    a = KvIndex(ManualClock())
+    a.apply_many(batches_one_by_one(events))
+    b = KvIndex(ManualClock())
+    b._compact_slack = -(10**9)  # compact on every stored event
+    b.apply_many(batches_one_by_one(events))
+    assert b == a
+    c = KvIndex(ManualClock())
+    c.apply_many(b.dump())
+    assert c == a
+    assert sorted(e.block_hashes for bt in c.dump() for e in bt.events if isinstance(e, BlockStored)) == \
+        sorted(e.block_hashes for bt in b.dump() for e in bt.events if isinstance(e, BlockStored))
+    for path in {tuple(toks(x, y)) for x in range(4) for y in range(4)}:
+        assert a.match_tokens("m", list(path)) == b.match_tokens("m", list(path)) == c.match_tokens("m", list(path))
+
+
+def test_token_ids_may_come_as_a_uint32_array():
+    """A snapshot loader may hand token ids over as array('I') (copied in C, no list needed)."""
+    from array import array
+
+    a, b = KvIndex(ManualClock()), KvIndex(ManualClock())
+    ev = stored([1, 2], [1, 2])
+    fast = BlockStored.model_construct(**{**dict(ev), "token_ids": array("I", ev.token_ids)})
+    a.apply(KvEventBatch(pod="p", model="m", seq=0, ts=0.0, events=[ev]))
+    b.apply(KvEventBatch.model_construct(schema_version=1, pod="p", model="m", dp_rank=0, epoch=0, seq=0, ts=0.0,
+                                         events=[fast]))
+    assert a == b and matched(b, [1, 2]) == {"p": 2}
