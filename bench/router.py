@@ -36,6 +36,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its descendants (all threads), from /proc."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (st := _stat(int(d))) is not None:
+            parent[int(d)] = int(st[1])
+    tree, grew = {pid}, True
+    while grew:
+        kids = {p for p, pp in parent.items() if pp in tree and p not in tree}
+        tree |= kids
+        grew = bool(kids)
+    total = 0
+    for p in tree:
+        st = _stat(p)
+        if st is not None:
+            total += int(st[11]) + int(st[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs, p):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
@@ -181,10 +208,10 @@ async def main_async(args):
                 print(f"{label}: {exc}")
                 rp.kill()
                 continue
-            live.append((label, rurl))
+            live.append((label, rurl, rp.pid))
         # Interleaved: each round sends one request directly and one through every router, so all
         # of them see the same machine load (this machine is shared).
-        targets = [("direct", None)] + live
+        targets = [("direct", None)] + [(label, rurl) for label, rurl, _ in live]
         lat = {name: [] for name, _ in targets}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             for rnd in range(args.requests + 100):
@@ -200,12 +227,14 @@ async def main_async(args):
         d50, d99 = pct(lat["direct"], 50), pct(lat["direct"], 99)
         print(f"direct: p50 {d50 * 1e3:.3f} ms  p99 {d99 * 1e3:.3f} ms  ({args.requests} sequential requests, "
               f"interleaved with the routers)")
-        for label, rurl in live:
+        for label, rurl, pid in live:
             r50, r99 = pct(lat[label], 50), pct(lat[label], 99)
+            c0 = cpu_seconds(pid)
             rps, errs = await concurrent(rurl, args.concurrency, args.requests)
+            cpu_us = (cpu_seconds(pid) - c0) / args.requests * 1e6
             print(f"{label:<26} p50 {r50 * 1e3:.3f} ms  p99 {r99 * 1e3:.3f} ms | added p50 "
                   f"{(r50 - d50) * 1e3:.3f} ms  p99 {(r99 - d99) * 1e3:.3f} ms | {args.concurrency} clients: "
-                  f"{rps:,.0f} req/s ({errs} errors)")
+                  f"{rps:,.0f} req/s ({errs} errors), router CPU {cpu_us:.0f} us/req")
         drps, _ = await concurrent(urls[0], args.concurrency, args.requests)
         print(f"direct to one backend, {args.concurrency} clients: {drps:,.0f} req/s")
     finally:

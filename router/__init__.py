@@ -14,7 +14,10 @@ Map
     ``profiles``   strategy YAML (GIE EndpointPickerConfig style) -> Strategy; built-ins in ``strategies/``
     ``core``       ``Router.decide(request, backends, index_view, now)``: pure, no asyncio
     ``state``      ClusterState: discovery sources + load/health folds + in-flight counters
-    ``server``     aiohttp service: forwarding, SSE pass-through, PD, retries, migration, drain, auth
+    ``server``     the service: forwarding, SSE pass-through, PD, retries, migration, drain, auth
+    ``http``       the HTTP/1.1 server under it (asyncio Protocol + httptools)
+    ``upstream``   the pooled keep-alive HTTP/1.1 client to the engines (asyncio Protocol + httptools)
+    ``metrics``    cheap per-request counters/histograms exposed through a prometheus_client collector
     ``feeds``      NATS inputs (announcements, metrics, diagnoses, KV events) -> state / KvIndex
     ``records``    RoutingDecision / RequestRecord publisher (bounded, drops counted)
     ``discovery``  Kubernetes pods by label selector (list + watch)

@@ -46,6 +46,8 @@ class Router:
         self.strategy = load_strategy(strategy) if isinstance(strategy, str) else strategy
         self.rng = random.Random(seed)
         self.default_block_size = default_block_size
+        # columns of load-only scorers: (id(profile), id(scorer)) -> (load_epoch, ids of the candidates, column)
+        self._columns: dict[tuple[int, int], tuple[int, list[int], list[float]]] = {}
 
     @property
     def name(self) -> str:
@@ -62,14 +64,18 @@ class Router:
         return self.default_block_size
 
     def decide(self, request: RoutingRequest, backends: Sequence[BackendState], index_view: Any = None,
-               now: float = 0.0, *, overlap: dict[str, int] | None = None) -> Decision:
+               now: float = 0.0, *, overlap: dict[str, int] | None = None, load_epoch: int | None = None) -> Decision:
+        """Run the strategy. ``load_epoch``: a number the caller changes whenever any backend's load or
+        health fields (waiting, running, kv_usage, cpu/mem utilisation, health, GPU blocks) change
+        (``ClusterState.epoch``); while it stays the same, the columns of load-only scorers are reused
+        for the same candidates. Without it (simulations, tests) every column is computed."""
         st = self.strategy
         bs = self.block_size(index_view, request.model)
         if overlap is None:
             overlap = overlaps_from_index(index_view, request, st.approximate) if st.needs_overlap else {}
         nblocks = len(request.keys) if (request.token_ids is None and request.keys) else request.prompt_tokens // bs
         ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, rng=self.rng, now=now,
-                  prompt_tokens=request.prompt_tokens)
+                  prompt_tokens=request.prompt_tokens, load_epoch=load_epoch)
         cands = list(backends)
         model = request.model
         best = 0
@@ -113,8 +119,7 @@ class Router:
             dec.chosen_overlap_blocks = overlap.get(pre.picked.pod, 0)
         return dec
 
-    @staticmethod
-    def _stage(prof: Profile, stage: str, req: RoutingRequest, cands: list[BackendState],
+    def _stage(self, prof: Profile, stage: str, req: RoutingRequest, cands: list[BackendState],
                ctx: Ctx) -> tuple[StageResult, str]:
         filtered: dict[str, str] = {}
         for f in prof.filters:
@@ -132,19 +137,26 @@ class Router:
                 return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, why), status
         if not cands:
             return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, "no backends known"), "no_backend"
-        n = len(cands)
-        totals = [0.0] * n
         columns: dict[str, list[float]] = {}
-        for s, w in prof.scorers:
-            col = s.score(req, cands, ctx)
+        cols = []
+        epoch = ctx.load_epoch
+        ids = None
+        for s, _ in prof.scorers:
+            if epoch is not None and s.load_only:
+                if ids is None:
+                    ids = list(map(id, cands))
+                key = (id(prof), id(s))
+                hit = self._columns.get(key)
+                if hit is not None and hit[0] == epoch and hit[1] == ids:
+                    col = hit[2]
+                else:
+                    col = s.score(req, cands, ctx)
+                    self._columns[key] = (epoch, ids, col)
+            else:
+                col = s.score(req, cands, ctx)
             columns[s.name] = col
-            if w == 1.0:
-                totals = [t + c for t, c in zip(totals, col)]
-            elif w:
-                totals = [t + w * c for t, c in zip(totals, col)]
-        if prof.weight_sum > 0:
-            inv = 1.0 / prof.weight_sum
-            totals = [t * inv for t in totals]
+            cols.append(col)
+        totals = prof.combine(cols) if cols else [0.0] * len(cands)
         i = prof.picker.pick(cands, totals, ctx)
         picked = cands[i]
         return StageResult(stage, cands, filtered, columns, totals, ctx.overlap, picked, "", i, prof.picker.name,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -82,6 +82,49 @@ class Profile:
     scorers: list[tuple[Plugin, float]]
     picker: Plugin
     weight_sum: float
+    # totals = sum of weight / weight_sum * column over the scorers with a weight, in one pass
+    combine: Callable[[list[list[float]]], list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        ws = self.weight_sum
+        self.combine = weighted_sum([w / ws if ws > 0 else 0.0 for _, w in self.scorers])
+
+
+def weighted_sum(weights: list[float]) -> Callable[[list[list[float]]], list[float]]:
+    """``f(columns) -> [sum_k weights[k] * columns[k][i] for each i]``, one comprehension for the
+    usual numbers of scorers (a pass per scorer costs ~4 µs over 64 backends; one pass ~1 µs per
+    column). Columns with weight 0 are skipped; ``f`` gets every column and picks its own."""
+    keep = [k for k, w in enumerate(weights) if w]
+    ws = [weights[k] for k in keep]
+    n = len(keep)
+    if n == 0:
+        return lambda cols: [0.0] * len(cols[0]) if cols else []
+    if n == 1:
+        (k0,), (w0,) = keep, ws
+        return lambda cols: [w0 * a for a in cols[k0]]
+    if n == 2:
+        (k0, k1), (w0, w1) = keep, ws
+        return lambda cols: [w0 * a + w1 * b for a, b in zip(cols[k0], cols[k1])]
+    if n == 3:
+        (k0, k1, k2), (w0, w1, w2) = keep, ws
+        return lambda cols: [w0 * a + w1 * b + w2 * c for a, b, c in zip(cols[k0], cols[k1], cols[k2])]
+    if n == 4:
+        (k0, k1, k2, k3), (w0, w1, w2, w3) = keep, ws
+        return lambda cols: [w0 * a + w1 * b + w2 * c + w3 * d
+                             for a, b, c, d in zip(cols[k0], cols[k1], cols[k2], cols[k3])]
+    if n == 5:
+        (k0, k1, k2, k3, k4), (w0, w1, w2, w3, w4) = keep, ws
+        return lambda cols: [w0 * a + w1 * b + w2 * c + w3 * d + w4 * e
+                             for a, b, c, d, e in zip(cols[k0], cols[k1], cols[k2], cols[k3], cols[k4])]
+    if n == 6:
+        (k0, k1, k2, k3, k4, k5), (w0, w1, w2, w3, w4, w5) = keep, ws
+        return lambda cols: [w0 * a + w1 * b + w2 * c + w3 * d + w4 * e + w5 * f for a, b, c, d, e, f
+                             in zip(cols[k0], cols[k1], cols[k2], cols[k3], cols[k4], cols[k5])]
+
+    def many(cols: list[list[float]]) -> list[float]:
+        return [sum(w * x for w, x in zip(ws, xs)) for xs in zip(*(cols[k] for k in keep))]
+
+    return many
 
 
 @dataclass(slots=True)

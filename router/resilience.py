@@ -24,6 +24,11 @@ class CircuitBreakers:
         self._clock = clock or SystemClock()
         self._b: dict[str, _Breaker] = {}
 
+    @property
+    def active(self) -> bool:
+        """True when some backend has failures on record (else every circuit is closed)."""
+        return bool(self._b)
+
     def is_open(self, pod: str) -> bool:
         """True while requests must not go to ``pod`` (open, or half-open with its trial under way)."""
         b = self._b.get(pod)

@@ -1,4 +1,4 @@
-"""The HTTP edge: OpenAI-compatible API in front of the engines (aiohttp server and client).
+"""The HTTP edge: OpenAI-compatible API in front of the engines (router.http server, router.upstream client).
 
 Request path: parse and check the body -> tokenize -> ``Router.decide`` over the state snapshot
 -> (PD: prefill with ``max_tokens=1`` and ``do_remote_decode``) -> forward to the target, SSE
@@ -11,34 +11,37 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.config import RouterConfig
+from router.http import HttpError, Request, Response, Server, StreamResponse
+from router.metrics import FastMetrics
 from router.core import Router
-from router.records import RecordSink
+from router.records import RecordSink, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
 from router.types import BackendState, Decision, RoutingRequest
-from schemas.records import RequestRecord, RoutingDecision
+from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from schemas.records import RequestRecord
 
 log = logging.getLogger(__name__)
 
 _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
-_UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
-_RID = web.RequestKey("rid", str) if hasattr(web, "RequestKey") else "rid"
-_RAW = web.RequestKey("raw", bytes) if hasattr(web, "RequestKey") else "raw"
+_UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+_RID = "rid"
+_JSON = "application/json"
 
 
 class ApiError(Exception):
@@ -50,17 +53,20 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+                   param: str | None = None, headers: dict[str, str] | None = None) -> Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
-    return web.Response(status=status, body=_json_encode(body), content_type="application/json",
-                        headers=headers)
+    return Response(status, _json_encode(body), _JSON, headers)
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(status, _json_encode(obj), _JSON)
 
 
 def _sse_event(obj: Any) -> bytes:
     return b"data: " + _json_encode(obj) + b"\n\n"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Flow:
     """Everything one request carries through retries, PD and migration."""
 
@@ -94,36 +100,37 @@ class _Flow:
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter("infernex_router_requests_total", "Requests by outcome",
-                                ["strategy", "status"], registry=registry)
-        self.duration = Histogram("infernex_router_request_duration_seconds", "End-to-end request time",
-                                  ["strategy"], registry=registry)
-        self.ttft = Histogram("infernex_router_ttft_seconds", "Time to first token through the router",
-                              ["strategy"], registry=registry)
-        self.decision = Histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
-                                  ["strategy"], registry=registry,
-                                  buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
+    """Per-request metrics are cheap :mod:`router.metrics` families; the rare events
+    (rejections, retries, migrations) are prometheus_client counters."""
+
+    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0):
+        fast = FastMetrics(registry)
+        self.requests = fast.counter("infernex_router_requests_total", "Requests by outcome", ["strategy", "status"])
+        self.duration = fast.histogram("infernex_router_request_duration_seconds", "End-to-end request time",
+                                       ["strategy"])
+        self.ttft = fast.histogram("infernex_router_ttft_seconds", "Time to first token through the router",
+                                   ["strategy"])
+        self.decision = fast.histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
+                                       ["strategy"],
+                                       buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
         self.retries = Counter("infernex_router_retries_total", "Requests re-sent after a failure",
                                ["reason"], registry=registry)
         self.migrations = Counter("infernex_router_migrations_total", "Streams moved to another backend",
                                   registry=registry)
-        self.picks = Counter("infernex_router_picks_total", "Backends picked", ["pod", "stage"],
-                             registry=registry)
-        self.inflight = Gauge("infernex_router_inflight_requests", "Requests in flight", registry=registry)
+        self.picks = fast.counter("infernex_router_picks_total", "Backends picked", ["pod", "stage"])
+        fast.gauge_function("infernex_router_inflight_requests", "Requests in flight", inflight)
         self.rejected = Counter("infernex_router_rejected_total", "Requests refused", ["reason"],
                                 registry=registry)
-        self.regret = Histogram("infernex_router_regret_blocks",
-                                "Best cached prefix any backend had minus the one chosen, in blocks",
-                                ["strategy"], registry=registry,
-                                buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
-        self.overlap = Counter("infernex_router_overlap_blocks_total",
-                               "Cached prefix blocks: the best any backend had, and the chosen one's",
-                               ["strategy", "kind"], registry=registry)
+        self.regret = fast.histogram("infernex_router_regret_blocks",
+                                     "Best cached prefix any backend had minus the one chosen, in blocks",
+                                     ["strategy"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+        self.overlap = fast.counter("infernex_router_overlap_blocks_total",
+                                    "Cached prefix blocks: the best any backend had, and the chosen one's",
+                                    ["strategy", "kind"])
 
 
 class RouterService:
-    """The aiohttp application plus its upstream session; start/stop/drain for the CLI and tests."""
+    """The HTTP server plus its upstream pool; start/stop/drain for the CLI and tests."""
 
     def __init__(self, cfg: RouterConfig, *, router: Router | None = None, state: ClusterState | None = None,
                  index: Any = None, registry: CollectorRegistry | None = None, records: RecordSink | None = None,
@@ -133,11 +140,14 @@ class RouterService:
         self.state = state or ClusterState(cfg)
         self.index = index
         self.registry = registry or CollectorRegistry()
-        self.metrics = RouterMetrics(self.registry)
+        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight)
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
         self._m_ttft = self.metrics.ttft.labels(name)
+        self._m_regret = self.metrics.regret.labels(name)
+        self._m_overlap_best = self.metrics.overlap.labels(name, "best")
+        self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
         self._m_requests: dict[str, Any] = {}
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
@@ -146,27 +156,30 @@ class RouterService:
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
+        # request ids: a random 64-bit prefix per process and a counter (uuid4 costs a syscall each)
+        self._rid_prefix = secrets.token_hex(8)
+        self._rid_seq = itertools.count()
         self.draining = False
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
+        self.session: aiohttp.ClientSession | None = None  # /v1/models fan-out
+        self.upstream: UpstreamPool | None = None  # inference requests (the hot path)
         self._tasks: list[asyncio.Task] = []
         self.url: str | None = None
         self.app = self._build_app()
 
     # -- lifecycle ------------------------------------------------------------------------
-    def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._middleware])
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.prom)
-        app.router.add_post("/v1/router/decide", self.decide)
-        app.router.add_get("/v1/router/backends", self.backends)
+    def _build_app(self) -> Server:
+        app = Server(max_body=self.cfg.max_body_bytes, wrap=self._middleware, on_error=self._http_error)
+        app.add("POST", "/v1/chat/completions", self.chat)
+        app.add("POST", "/v1/completions", self.completions)
+        app.add("GET", "/v1/models", self.models)
+        app.add("GET", "/health", self.health)
+        app.add("GET", "/ready", self.ready)
+        app.add("GET", "/metrics", self.prom)
+        app.add("POST", "/v1/router/decide", self.decide)
+        app.add("GET", "/v1/router/backends", self.backends)
         return app
 
     async def open(self) -> None:
@@ -176,17 +189,14 @@ class RouterService:
                                             sock_read=self.cfg.read_timeout_s)
             self.session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False,
                                                  json_serialize=lambda o: _json_encode(o).decode())
+        if self.upstream is None:
+            self.upstream = UpstreamPool(connect_timeout=self.cfg.connect_timeout_s,
+                                         read_timeout=self.cfg.read_timeout_s)
         self._tasks.append(asyncio.create_task(self._refresher()))
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         await self.open()
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host or self.cfg.host, self.cfg.port if port is None else port,
-                           shutdown_timeout=1.0)
-        await site.start()
-        sock = site._server.sockets[0]  # noqa: SLF001 - the bound port when 0 was asked
-        h, p = sock.getsockname()[:2]
+        h, p = await self.app.start(host or self.cfg.host, self.cfg.port if port is None else port)
         self.url = f"http://{h}:{p}"
         return self.url
 
@@ -205,12 +215,13 @@ class RouterService:
         for t in self._tasks:
             await cancel_task(t)
         self._tasks.clear()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self.app.close(grace_s=1.0)
         if self.session is not None:
             await self.session.close()
             self.session = None
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
 
     async def _refresher(self) -> None:
         while True:
@@ -218,9 +229,8 @@ class RouterService:
             self.state.refresh()
 
     # -- middleware: request id, auth, limits, errors ---------------------------------------
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler):
-        rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex}"
+    async def _middleware(self, request: Request, handler):
+        rid = request.headers.get("x-request-id") or f"req-{self._rid_prefix}{next(self._rid_seq):016x}"
         request[_RID] = rid
         try:
             path = request.path
@@ -231,15 +241,8 @@ class RouterService:
             if e.status in (401, 403, 429):
                 self.metrics.rejected.labels({401: "auth", 403: "auth", 429: "rate"}[e.status]).inc()
             resp = error_response(e.status, e.message, e.type, e.code, e.param, e.headers)
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.rejected.labels("body_size").inc()
-            resp = error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
-                                  code="body_too_large")
-        except web.HTTPException as e:
-            if e.status >= 400:
-                resp = error_response(e.status, e.reason or "error", code=str(e.status))
-            else:
-                raise
+        except HttpError as e:
+            resp = await self._http_error(request, e)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - never a stack trace to the client
@@ -249,11 +252,19 @@ class RouterService:
             resp.headers["X-Request-Id"] = rid
         return resp
 
-    def _authorize(self, request: web.Request, admin: bool) -> None:
+    async def _http_error(self, request: Request | None, e: HttpError) -> Response:
+        """Errors of the HTTP layer (no route, body too large, malformed request) as OpenAI errors."""
+        if e.status == 413:
+            self.metrics.rejected.labels("body_size").inc()
+            return error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
+                                  code="body_too_large")
+        return error_response(e.status, e.message, code=str(e.status))
+
+    def _authorize(self, request: Request, admin: bool) -> None:
         keys = [self._admin] if (admin and self._admin) else self._keys
         token = None
         if keys:
-            auth = request.headers.get("Authorization", "")
+            auth = request.headers.get("authorization", "")
             if not auth.startswith("Bearer "):
                 raise ApiError(401, "missing API key (Authorization: Bearer ...)", "authentication_error",
                                "invalid_api_key")
@@ -271,23 +282,21 @@ class RouterService:
                                headers={"Retry-After": str(max(1, int(wait + 0.999)))})
 
     # -- simple endpoints -------------------------------------------------------------------
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def health(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request) -> Response:
         if self.draining:
-            return web.json_response({"ready": False, "reason": "draining"}, status=503)
+            return json_response({"ready": False, "reason": "draining"}, status=503)
         n = sum(1 for b in self.state.snapshot() if b.health != "critical" and not b.circuit_open)
         if n == 0:
-            return web.json_response({"ready": False, "reason": "no usable backend"}, status=503)
-        return web.json_response({"ready": True, "backends": n})
+            return json_response({"ready": False, "reason": "no usable backend"}, status=503)
+        return json_response({"ready": True, "backends": n})
 
-    async def prom(self, request: web.Request) -> web.Response:
-        resp = web.Response(body=generate_latest(self.registry))
-        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return resp
+    async def prom(self, request: Request) -> Response:
+        return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         backends = [b for b in self.state.snapshot() if not b.circuit_open]
         seen: dict[str, dict] = {}
 
@@ -308,9 +317,9 @@ class RouterService:
         for b in backends:
             for mid in (b.model, *b.loras):
                 seen.setdefault(mid, {"id": mid, "object": "model", "created": 0, "owned_by": "infernex"})
-        return web.json_response({"object": "list", "data": sorted(seen.values(), key=lambda m: m["id"])})
+        return json_response({"object": "list", "data": sorted(seen.values(), key=lambda m: m["id"])})
 
-    async def backends(self, request: web.Request) -> web.Response:
+    async def backends(self, request: Request) -> Response:
         infos = self._index_pods()
         out = []
         for b in self.state.snapshot():
@@ -321,7 +330,7 @@ class RouterService:
             d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
             d["findings"] = self.state.health.reasons(b.pod)
             out.append(d)
-        return web.json_response({"strategy": self.router.name, "pool": self.state.pool, "backends": out})
+        return json_response({"strategy": self.router.name, "pool": self.state.pool, "backends": out})
 
     def _index_pods(self) -> dict[str, Any]:
         fn = getattr(self.index, "pods", None)
@@ -329,25 +338,24 @@ class RouterService:
             return {}
         return fn()
 
-    async def decide(self, request: web.Request) -> web.Response:
+    async def decide(self, request: Request) -> Response:
         body = await self._read_json(request)
         kind = "chat" if "messages" in body else "completions"
         self._check_body(kind, body)
         rreq = self._routing_request(kind, body, request[_RID])
         decision = self._decide(rreq)
-        return web.json_response({"request_id": request[_RID], "prompt_tokens": rreq.prompt_tokens,
+        return json_response({"request_id": request[_RID], "prompt_tokens": rreq.prompt_tokens,
                                   **decision.to_dict()})
 
     # -- inference --------------------------------------------------------------------------
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Response | StreamResponse:
         return await self._inference(request, "chat", "/v1/chat/completions")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | StreamResponse:
         return await self._inference(request, "completions", "/v1/completions")
 
-    async def _read_json(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        request[_RAW] = raw
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        raw = request.body
         try:
             body = _json_decode(raw)
         except msgspec.DecodeError:
@@ -388,11 +396,12 @@ class RouterService:
 
     def _decide(self, rreq: RoutingRequest) -> Decision:
         t = time.perf_counter()
-        d = self.router.decide(rreq, self.state.snapshot(), self.index, self.state.clock.now())
+        st = self.state
+        d = self.router.decide(rreq, st.snapshot(), self.index, st.clock.now(), load_epoch=st.epoch)
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
-    async def _inference(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
+    async def _inference(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             raise ApiError(503, "router is draining", "service_unavailable", "draining",
@@ -402,15 +411,14 @@ class RouterService:
         rid = request[_RID]
         stream = bool(body.get("stream"))
         flow = _Flow(rid=rid, kind=kind, path=path, body=body, stream=stream, arrival=time.time(),
-                     t0=time.perf_counter(), rreq=self._routing_request(kind, body, rid, len(request[_RAW])),
-                     raw=request[_RAW])
+                     t0=time.perf_counter(), rreq=self._routing_request(kind, body, rid, len(request.body)),
+                     raw=request.body)
         if stream:
             so = body.get("stream_options")
             flow.wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         self.inflight += 1
         self._idle.clear()
-        self.metrics.inflight.inc()
-        resp: web.StreamResponse | None = None
+        resp: StreamResponse | None = None
         try:
             resp = await self._run(request, flow)
             return resp
@@ -426,14 +434,14 @@ class RouterService:
             raise
         finally:
             self.inflight -= 1
-            self.metrics.inflight.dec()
             if self.inflight == 0:
                 self._idle.set()
-            self._finish(flow)
+            # metrics and records after the response is written (off the request's latency)
+            asyncio.get_running_loop().call_soon(self._finish, flow)
 
-    async def _run(self, request: web.Request, flow: _Flow) -> web.StreamResponse:
+    async def _run(self, request: Request, flow: _Flow) -> Response | StreamResponse:
         cfg = self.cfg
-        resp: web.StreamResponse | None = None
+        resp: StreamResponse | None = None
         body = flow.body
         while True:
             rreq = flow.rreq
@@ -517,10 +525,9 @@ class RouterService:
 
     def _note_route(self, flow: _Flow, d: Decision) -> None:
         t = d.target
-        name = self.router.strategy.name
-        self.metrics.regret.labels(name).observe(max(0, d.best_overlap_blocks - d.chosen_overlap_blocks))
-        self.metrics.overlap.labels(name, "best").inc(d.best_overlap_blocks)
-        self.metrics.overlap.labels(name, "chosen").inc(d.chosen_overlap_blocks)
+        self._m_regret.observe(max(0, d.best_overlap_blocks - d.chosen_overlap_blocks))
+        self._m_overlap_best.inc(d.best_overlap_blocks)
+        self._m_overlap_chosen.inc(d.chosen_overlap_blocks)
         if d.prefill is not None:
             flow.prefill_pod = d.prefill.pod
             flow.decode_pod = t.pod
@@ -552,17 +559,19 @@ class RouterService:
         self.state.breakers.attempt(pb.pod)
         self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
         try:
-            async with self.session.post(pb.url + flow.path, data=_json_encode(pre),
-                                         headers={"X-Request-Id": flow.rid, "Content-Type": "application/json"}) as r:
+            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow))
+            try:
                 data = await r.read()
-                if r.status >= 500:
-                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
-                if r.status >= 400:
-                    raise ApiError(r.status, _upstream_message(data), code="prefill_rejected")
+            finally:
+                r.release()
+            if r.status >= 500:
+                raise UpstreamError("read", f"prefill answered HTTP {r.status}")
+            if r.status >= 400:
+                raise ApiError(r.status, _upstream_message(data), code="prefill_rejected")
             kvp = _json_decode(data).get("kv_transfer_params") or {}
             self.state.breakers.success(pb.pod)
             return kvp
-        except (*_UPSTREAM_ERRORS, aiohttp.ClientResponseError, msgspec.DecodeError) as e:
+        except (*_UPSTREAM_ERRORS, msgspec.DecodeError) as e:
             log.warning("prefill on %s failed for %s: %s", pb.pod, flow.rid, type(e).__name__)
             self.state.breakers.failure(pb.pod)
             flow.exclude.add(pb.pod)
@@ -572,18 +581,17 @@ class RouterService:
         finally:
             self.state.finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
 
-    async def _forward(self, request: web.Request, flow: _Flow, b: BackendState, body: dict[str, Any],
-                       resp: web.StreamResponse | None, prefill_tokens: int):
+    async def _forward(self, request: Request, flow: _Flow, b: BackendState, body: dict[str, Any],
+                       resp: StreamResponse | None, prefill_tokens: int):
         """Send to ``b``: ``(client response, None)`` when done, ``(response or None, reason)`` on failure."""
         self.state.breakers.attempt(b.pod)
         self.state.started(b, flow.rreq.prompt_tokens, prefill_tokens)
         pending = prefill_tokens
-        up = None
+        up: UpstreamResponse | None = None
         try:
             try:
                 data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
-                up = await self.session.post(b.url + flow.path, data=data,
-                                             headers={"X-Request-Id": flow.rid, "Content-Type": "application/json"})
+                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow))
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
                 return resp, "connect"
@@ -608,21 +616,16 @@ class RouterService:
                 self.state.first_token(b, pending)
                 pending = 0
                 flow.done = True
-                out = web.Response(status=up.status, body=data)
-                out.headers["Content-Type"] = up.headers.get("Content-Type", "application/json")
-                out.headers["X-Request-Id"] = flow.rid
-                return out, None
+                return Response(up.status, data, up.headers.get("content-type", _JSON),
+                                {"X-Request-Id": flow.rid}), None
             # streaming pass-through, event by event
             if resp is None:
-                resp = web.StreamResponse(status=up.status)
-                resp.headers["Content-Type"] = "text/event-stream"
-                resp.headers["Cache-Control"] = "no-cache"
-                resp.headers["X-Request-Id"] = flow.rid
-                resp.headers["X-Accel-Buffering"] = "no"
+                resp = StreamResponse(up.status, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no"})
                 await resp.prepare(request)
             buf = b""
             try:
-                async for chunk in up.content.iter_any():
+                async for chunk in up.iter_any():
                     buf += chunk
                     out = bytearray()
                     while True:
@@ -651,11 +654,15 @@ class RouterService:
             return resp, None
         finally:
             if up is not None:
-                if flow.done and up.content.at_eof():
+                if flow.done and up.at_eof():
                     up.release()
                 else:
                     up.close()  # closes the connection: the engine sees the cancel
             self.state.finished(b, flow.rreq.prompt_tokens, pending)
+
+    @staticmethod
+    def _headers(flow: _Flow) -> dict[str, str]:
+        return {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
 
     def _on_event(self, flow: _Flow, ev: bytes) -> bool:
         """Track one SSE event; False drops it (the usage chunk the client did not ask for)."""
@@ -755,7 +762,7 @@ class RouterService:
                                "server_error", "migration_impossible")
         return body
 
-    async def _write_sse_error(self, resp: web.StreamResponse, message: str) -> None:
+    async def _write_sse_error(self, resp: StreamResponse, message: str) -> None:
         try:
             await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "code": 502}}))
             await resp.write(b"data: [DONE]\n\n")
@@ -772,10 +779,8 @@ class RouterService:
         for st in d.stages:
             # built by the publisher task, off the request path
             self.records.submit_decision(
-                lambda st=st: RoutingDecision(
-                    request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile, stage=st.stage,
-                    picked=st.picked.pod if st.picked else None, reason=st.reason[:1000],
-                    candidates=st.candidates()),
+                lambda st=st: decision_json(request_id=flow.rid, ts=now, pool=pool, model=model,
+                                            profile=d.profile, stage=st),
                 msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
 
     def _finish(self, flow: _Flow) -> None:
@@ -796,7 +801,8 @@ class RouterService:
         if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
             itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
         d = flow.decision
-        self.records.submit_request(RequestRecord(
+        # built by a publisher task, after the response went out
+        self.records.submit_request(lambda: RequestRecord(
             request_id=flow.rid, ts=flow.arrival, pool=self.state.pool,
             role="pd" if flow.prefill_pod else "aggregated", model=flow.rreq.model, profile=name,
             pods=flow.pods, prefill_pod=flow.prefill_pod, decode_pod=flow.decode_pod,
@@ -805,7 +811,7 @@ class RouterService:
             http_status=flow.http_status, error=flow.error,
             best_overlap_blocks=d.best_overlap_blocks if d else 0,
             chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
-            retries=flow.retries, migrations=flow.migrations, stream=flow.stream))
+            retries=flow.retries, migrations=flow.migrations, stream=flow.stream), msg_id=f"req:{flow.rid}")
 
 
 def _upstream_message(data: bytes) -> str:

@@ -41,6 +41,9 @@ class ClusterState:
         self._stale_s = cfg.metrics_stale_s
         self._backends: dict[str, BackendState] = {}
         self._list: list[BackendState] = []
+        self._marked = False  # some circuit_open flag may be set
+        # changes whenever a backend's load or health fields may have changed (Router.decide's load_epoch)
+        self.epoch = 0
         self.refresh()
 
     # -- discovery sources ------------------------------------------------------------
@@ -69,6 +72,7 @@ class ClusterState:
             b = self._backends.get(m.pod)
             if b is not None:
                 self._set_load(b)
+                self.epoch += 1
 
     def apply_device(self, t: DeviceTelemetry) -> None:
         """Device utilisation and memory feed the health score's cpu and mem terms."""
@@ -77,6 +81,7 @@ class ClusterState:
         if old is not None and old.ts > t.ts:
             return
         self._devices[key] = t
+        self.epoch += 1
         for b in self._list:
             if b.pod in t.pods or (b.node == t.node and t.device in self._placement(b.pod)):
                 self._set_device(b)
@@ -105,6 +110,7 @@ class ClusterState:
 
     def apply_diagnosis(self, d: Diagnosis) -> None:
         self.health.apply(d)
+        self.epoch += 1
         for b in self._list:
             b.health = self.health.status(b.pod)[0]
 
@@ -141,11 +147,18 @@ class ClusterState:
             out[pod] = new
         self._backends = out
         self._list = list(out.values())
+        self.epoch += 1
 
     def snapshot(self) -> list[BackendState]:
         br = self.breakers
-        for b in self._list:
-            b.circuit_open = br.is_open(b.pod)
+        if br.active:
+            for b in self._list:
+                b.circuit_open = br.is_open(b.pod)
+            self._marked = True
+        elif self._marked:  # every breaker closed since the last snapshot: clear the flags once
+            for b in self._list:
+                b.circuit_open = False
+            self._marked = False
         return self._list
 
     def get(self, pod: str) -> BackendState | None:

@@ -107,22 +107,35 @@ class StageResult:
     def pods(self) -> list[str]:
         return [b.pod for b in self.cands]
 
-    def candidates(self) -> list[CandidateScore]:
-        out = []
-        ov = self.overlap
-        for i, b in enumerate(self.cands):
-            out.append(CandidateScore(
-                pod=b.pod, scores={k: round(v[i], 6) for k, v in self.columns.items()},
-                total=round(self.totals[i], 6), overlap_blocks=ov.get(b.pod, 0)))
-        out.extend(CandidateScore(pod=p, filtered_by=f) for p, f in self.filtered.items())
+    def candidate_dicts(self) -> list[dict[str, Any]]:
+        """Every candidate as :class:`schemas.records.CandidateScore` fields (scores rounded to 1e-6),
+        the filtered ones last. Plain dicts: validating them in one go is ~4x cheaper than a model each."""
+        names = list(self.columns)
+        cols = [self.columns[k] for k in names]
+        totals = self.totals
+        try:  # round(x * 1e6) / 1e6 is ~3x cheaper than round(x, 6); NaN or inf make it raise
+            cols = [[round(x * 1e6) / 1e6 for x in c] for c in cols]
+            totals = [round(t * 1e6) / 1e6 for t in totals]
+        except (ValueError, OverflowError):
+            cols = [[round(x, 6) for x in c] for c in cols]
+            totals = [round(t, 6) for t in totals]
+        rows = zip(*cols) if names else [()] * len(self.cands)
+        get = self.overlap.get
+        out = [{"pod": b.pod, "scores": dict(zip(names, r)), "total": t, "filtered_by": None,
+                "overlap_blocks": get(b.pod, 0)} for b, r, t in zip(self.cands, rows, totals)]
+        out.extend({"pod": p, "scores": {}, "total": 0.0, "filtered_by": f, "overlap_blocks": 0}
+                   for p, f in self.filtered.items())
         return out
+
+    def candidates(self) -> list[CandidateScore]:
+        return [CandidateScore.model_validate(c) for c in self.candidate_dicts()]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "stage": self.stage,
             "picked": self.picked.pod if self.picked else None,
             "reason": self.reason,
-            "candidates": [c.model_dump() for c in self.candidates()],
+            "candidates": self.candidate_dicts(),
         }
 
 

@@ -266,3 +266,65 @@ def test_dynamo_cost_picks_lowest_cost():
     assert r.decide(REQ, backends, FakeIndex({"a": 4})).target.pod == "b"
     backends = [B("a", active_tokens=16 * 2), B("b", active_tokens=0)]
     assert r.decide(REQ, backends, FakeIndex({"a": 4})).target.pod == "a"
+
+
+def test_candidate_records_round_scores_and_list_filtered_pods():
+    from schemas.records import RoutingDecision
+
+    r = Router("kv-aware", seed=1)
+    bs = [B("a", waiting=1.0, kv_usage=0.123456789), B("b", waiting=3.0), B("c", health="critical")]
+    d = r.decide(RoutingRequest(model="m", token_ids=list(range(64)), prompt_tokens=64), bs,
+                 overlap={"a": 2, "b": 4})
+    st = d.stages[0]
+    rows = {c["pod"]: c for c in st.candidate_dicts()}
+    assert rows["c"]["filtered_by"] == "healthy" and rows["c"]["scores"] == {}
+    for i, b in enumerate(st.cands):
+        row = rows[b.pod]
+        assert row["total"] == pytest.approx(st.totals[i], abs=1e-6) and row["overlap_blocks"] == {"a": 2, "b": 4}[b.pod]
+        assert row["scores"] == pytest.approx({k: v[i] for k, v in st.columns.items()}, abs=1e-6)
+        assert all(len(repr(v).split(".")[-1]) <= 6 for v in row["scores"].values())
+    rec = RoutingDecision.model_validate({"request_id": "r", "ts": 1.0, "pool": "p", "model": "m", "profile": "kv",
+                                          "picked": "a", "candidates": st.candidate_dicts()})
+    assert [c.pod for c in rec.candidates] == [c.pod for c in st.candidates()] == ["a", "b", "c"]
+    from router.records import decision_json
+
+    for stage in d.stages:  # the msgspec-written record is the model's JSON
+        fast = RoutingDecision.from_json(decision_json(request_id="r", ts=1.0, pool="p", model="m", profile="kv",
+                                                       stage=stage))
+        assert fast == RoutingDecision(request_id="r", ts=1.0, pool="p", model="m", profile="kv", stage=stage.stage,
+                                       picked=stage.picked.pod, reason=stage.reason, candidates=stage.candidates())
+    st.totals[0] = float("nan")  # a broken scorer must not break the record
+    assert st.candidate_dicts()[0]["total"] != st.candidate_dicts()[0]["total"]
+
+
+@pytest.mark.parametrize("weights", [[], [0.0], [1.0], [0.5, 0.0, 0.5], [1, 2, 3, 4], [1, 1, 1, 1, 1],
+                                     [3, 1, 1, 0.5, 0.5, 2], [1, 2, 0, 3, 4, 5, 6, 7]])
+def test_weighted_sum_matches_a_pass_per_column(weights):
+    from router.profiles import weighted_sum
+
+    rnd = random.Random(len(weights))
+    cols = [[rnd.random() for _ in range(9)] for _ in weights]
+    got = weighted_sum(weights)(cols) if cols else []
+    want = [sum(w * c[i] for w, c in zip(weights, cols)) for i in range(9)] if cols else []
+    assert got == pytest.approx(want)
+
+
+def test_load_epoch_reuses_load_only_columns_until_it_changes():
+    r = Router("kv-aware", seed=1)
+    bs = [B("a", waiting=1.0), B("b", waiting=3.0), B("c", waiting=2.0)]
+
+    def queue_col(backends, epoch):
+        d = r.decide(RoutingRequest(model="m", prompt_tokens=16), backends, load_epoch=epoch)
+        st = d.stages[0]
+        return dict(zip(st.pods, st.columns["queue"]))
+
+    assert queue_col(bs, 7) == {"a": 1.0, "b": 0.0, "c": 0.5}
+    bs[0].waiting = 5.0  # changed behind the epoch's back: the cached column is (knowingly) reused
+    assert queue_col(bs, 7) == {"a": 1.0, "b": 0.0, "c": 0.5}
+    assert queue_col(bs, 8) == pytest.approx({"a": 0.0, "b": 2 / 3, "c": 1.0})  # new epoch: recomputed
+    assert queue_col(bs[1:], 8) == {"b": 0.0, "c": 1.0}  # other candidates: recomputed
+    assert queue_col(bs, None) == queue_col(bs, 8)  # no epoch: always computed
+    # columns that depend on the request or the router's own counters are never cached
+    bs[1].active_tokens = 1000
+    d = r.decide(RoutingRequest(model="m", prompt_tokens=16), bs, load_epoch=8)
+    assert dict(zip(d.stages[0].pods, d.stages[0].columns["active"]))["b"] == 0.0

@@ -59,8 +59,8 @@ async def test_prefix_sharing_requests_go_to_the_pod_holding_them(nats_config, t
             for k in range(6):
                 out = await post(s, url, {"model": MODEL, "prompt": shared + [200 + k, 300 + k], "max_tokens": 2})
                 cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
-        picks = app.service.metrics.picks
-        assert picks.labels(holder, "aggregated")._value.get() == 7  # the first request and all six sharers
+        picks = app.registry.get_sample_value("infernex_router_picks_total", {"pod": holder, "stage": "aggregated"})
+        assert picks == 7  # the first request and all six sharers
         assert all(c >= 320 for c in cached)  # the engine really reused the prefix
         reg = app.registry
         best = reg.get_sample_value("infernex_router_overlap_blocks_total", {"strategy": "kv-aware", "kind": "best"})
@@ -111,8 +111,9 @@ async def test_pd_prefill_then_decode_matches_aggregated(stream):
                 assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 699  # KV came from prefill
         assert text == ref and text
         assert pre.call(lambda e: e.core.stats.prompt_tokens) == 700  # prefill computed the prompt once
-        m = app.service.metrics.picks
-        assert m.labels("prefill-0", "prefill")._value.get() == 1 and m.labels("decode-0", "decode")._value.get() == 1
+        picks = app.registry.get_sample_value
+        assert picks("infernex_router_picks_total", {"pod": "prefill-0", "stage": "prefill"}) == 1
+        assert picks("infernex_router_picks_total", {"pod": "decode-0", "stage": "decode"}) == 1
     finally:
         await app.stop(drain=False)
         await asyncio.to_thread(cluster.stop)

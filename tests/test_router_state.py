@@ -84,12 +84,18 @@ def test_cluster_state_merges_sources_and_keeps_counters():
     cs.first_token(a, 100)
     cs.finished(a, 100, 0)
     assert (a.inflight, a.active_tokens, a.pending_prefill_tokens) == (0, 0, 0)
+    e0 = cs.epoch
     cs.apply_metrics(metrics("a", T0, waiting=7, kv=0.5))
     assert (a.waiting, a.kv_usage) == (7, 0.5)
+    assert cs.epoch > e0  # load changed: cached scorer columns must not be reused
+    e1 = cs.epoch
+    cs.started(a, 10, 10)
+    cs.finished(a, 10, 0)
+    assert cs.epoch == e1  # the router's own counters are not load-only inputs
     d = Diagnosis(finding_id="f", node="n", device="d0", fault_mode="over_temperature", severity="warning",
                   status="open", action="Observe", summary="hot", first_seen=T0, last_seen=T0, pods=["a"])
     cs.apply_diagnosis(d)
-    assert a.health == "warning"
+    assert a.health == "warning" and cs.epoch > e1
     cs.apply_diagnosis(d.model_copy(update={"status": "resolved", "last_seen": T0 + 1}))
     assert a.health == "ok"
     clock.advance(32)

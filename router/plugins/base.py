@@ -25,6 +25,7 @@ class Ctx:
     stage: str = "aggregated"
     group: str | None = None  # decode stage: the group the prefill pod belongs to
     prompt_tokens: int = 0
+    load_epoch: int | None = None  # see Router.decide: lets load-only scorer columns be reused
 
 
 class Plugin:
@@ -32,6 +33,9 @@ class Plugin:
     type_name: ClassVar[str] = ""
     Params: ClassVar[type[BaseModel]] = NoParams
     needs_overlap: ClassVar[bool] = False
+    # a scorer whose column depends only on the candidates' load/health fields and its parameters
+    # (not on the request, the overlap or the router's own in-flight counters): cacheable per load epoch
+    load_only: ClassVar[bool] = False
 
     def __init__(self, name: str, params: BaseModel):
         self.name = name

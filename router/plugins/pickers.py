@@ -50,9 +50,15 @@ class RoundRobinPicker(Picker):
     def __init__(self, name, params):
         super().__init__(name, params)
         self._n = 0
+        self._pods: list[str] = []  # the candidate pods of the last call, and their order by name
+        self._order: list[int] = []
 
     def pick(self, cands, totals, ctx):
-        order = sorted(range(len(cands)), key=lambda i: cands[i].pod)
+        pods = [b.pod for b in cands]
+        if pods != self._pods:  # the candidate set changed: sort again (usually it has not)
+            self._pods = pods
+            self._order = sorted(range(len(pods)), key=pods.__getitem__)
+        order = self._order
         i = order[self._n % len(order)]
         self._n += 1
         return i

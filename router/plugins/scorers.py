@@ -21,10 +21,6 @@ class Scorer(Plugin):
         raise NotImplementedError
 
 
-def _clip01(x: float) -> float:
-    return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
-
-
 def _relative_low_is_good(values: list[float]) -> list[float]:
     """min -> 1, max -> 0, linear between; all equal -> 1."""
     lo = min(values)
@@ -53,11 +49,14 @@ class PrefixScorer(Scorer):
 
     def score(self, req, cands, ctx):
         n = ctx.request_blocks
-        if n <= 0:
+        ov = ctx.overlap
+        if n <= 0 or not ov:
             return [0.0] * len(cands)
-        get = ctx.overlap.get
+        get = ov.get
         inv = 1.0 / n
-        return [x if x < 1.0 else 1.0 for x in [get(b.pod, 0) * inv for b in cands]]
+        if max(ov.values()) > n:  # more cached than asked (approximate keys): clip to 1
+            return [x if x < 1.0 else 1.0 for x in [get(b.pod, 0) * inv for b in cands]]
+        return [get(b.pod, 0) * inv for b in cands]
 
 
 @register
@@ -65,9 +64,10 @@ class KvUsageScorer(Scorer):
     """Free KV-cache share: ``1 - kv_cache_usage_perc``."""
 
     type_name = "kv-usage-scorer"
+    load_only = True
 
     def score(self, req, cands, ctx):
-        return [1.0 - _clip01(b.kv_usage) for b in cands]
+        return [0.0 if k >= 1.0 else (1.0 if k <= 0.0 else 1.0 - k) for k in [b.kv_usage for b in cands]]
 
 
 @register
@@ -75,6 +75,7 @@ class QueueScorer(Scorer):
     """Shorter waiting queue is better (relative to the other candidates)."""
 
     type_name = "queue-scorer"
+    load_only = True
 
     def score(self, req, cands, ctx):
         return _relative_low_is_good([b.waiting for b in cands])
@@ -105,6 +106,7 @@ class HealthScorer(Scorer):
     """
 
     type_name = "health-scorer"
+    load_only = True
     Params = HealthParams
 
     def score(self, req, cands, ctx):

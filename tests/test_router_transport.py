@@ -1,0 +1,305 @@
+"""The router's own HTTP layer: the httptools server (router.http) and the pooled upstream client
+(router.upstream), against real sockets (raw asyncio servers/clients and the fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from router.http import HttpError, Response, Server, StreamResponse
+from router.testing import FakeEngine
+from router.upstream import UpstreamError, UpstreamPool
+
+
+# -- helpers ------------------------------------------------------------------------------------
+async def raw_server(handler):
+    """A plain asyncio TCP server; ``handler(reader, writer)`` plays the backend."""
+    srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    return srv, f"http://127.0.0.1:{port}"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            n = int(line.split(b":")[1])
+    return head + (await reader.readexactly(n) if n else b"")
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += chunk[:-2]
+    else:
+        body = await asyncio.wait_for(reader.read(), 10)
+    return status, headers, body
+
+
+@pytest.fixture
+async def app():
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def echo(req):
+        return Response(200, json.dumps({"path": req.path, "query": req.query, "body": req.body.decode(),
+                                         "ct": req.headers.get("content-type")}).encode(), "application/json")
+
+    async def hang(req):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return Response(200)
+
+    async def stream(req):
+        resp = StreamResponse(200, {"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        for i in range(3):
+            await resp.write(f"data: {i}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    async def fails(req):
+        raise HttpError(418, "no coffee")
+
+    srv = Server(max_body=1000)
+    srv.add("POST", "/echo", echo)
+    srv.add("GET", "/echo", echo)
+    srv.add("GET", "/hang", hang)
+    srv.add("GET", "/stream", stream)
+    srv.add("GET", "/fails", fails)
+    host, port = await srv.start("127.0.0.1", 0)
+    srv.started, srv.cancelled = started, cancelled
+    srv.port = port
+    yield srv
+    await srv.close(grace_s=0.1)
+
+
+async def connect(app):
+    return await asyncio.open_connection("127.0.0.1", app.port)
+
+
+# -- server -------------------------------------------------------------------------------------
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order(app):
+    r, w = await connect(app)
+    w.write(b"GET /echo?a=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello")
+    s1, _, b1 = await read_response(r)
+    s2, h2, b2 = await read_response(r)
+    assert (s1, json.loads(b1)["query"]) == (200, "a=1")
+    assert (s2, json.loads(b2)["body"], json.loads(b2)["ct"]) == (200, "hello", "text/plain")
+    assert "connection" not in h2  # still open
+    w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    s3, h3, _ = await read_response(r)
+    assert s3 == 200 and h3["connection"] == "close"
+    assert await asyncio.wait_for(r.read(), 5) == b""  # the server closed it
+    w.close()
+
+
+async def test_chunked_request_body_and_expect_continue(app):
+    r, w = await connect(app)
+    w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+    status, _, body = await read_response(r)
+    assert status == 200 and json.loads(body)["body"] == "abcde"
+    w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+    assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    w.write(b"ok")
+    status, _, body = await read_response(r)
+    assert status == 200 and json.loads(body)["body"] == "ok"
+    w.close()
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"DELETE /echo HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"GET /fails HTTP/1.1\r\nHost: x\r\n\r\n", 418),
+    (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000, 413),
+    (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n7d0\r\n" + b"x" * 2000 + b"\r\n0\r\n\r\n",
+     413),
+    (b"NOT HTTP AT ALL\r\n\r\n", 400),
+    (b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n", 431),
+])
+async def test_errors(app, request_bytes, status):
+    r, w = await connect(app)
+    w.write(request_bytes)
+    got, _, _ = await read_response(r)
+    assert got == status
+    w.close()
+
+
+async def test_idle_keep_alive_connections_are_closed():
+    srv = Server(keepalive_s=0.3)
+
+    async def ok(req):
+        return Response(200, b"ok")
+
+    srv.add("GET", "/", ok)
+    _, port = await srv.start("127.0.0.1", 0)
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, h, body = await read_response(r)
+        assert (status, body) == (200, b"ok") and h["date"].endswith("GMT")
+        assert await asyncio.wait_for(r.read(), 10) == b""  # closed by the server once idle
+        w.close()
+    finally:
+        await srv.close(grace_s=0.1)
+
+
+async def test_oversized_body_is_refused_at_the_headers(app):
+    r, w = await connect(app)
+    w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n" + b"x" * 10_000)
+    status, h, _ = await read_response(r)  # answered without waiting for the 10 MB
+    assert status == 413 and h["connection"] == "close"
+    w.write(b"x" * 100_000)  # the server drops the rest of the upload, then closes
+    await w.drain()
+    assert await asyncio.wait_for(r.read(), 10) == b""
+    w.close()
+
+
+async def test_head_on_a_get_route_has_no_body(app):
+    r, w = await connect(app)
+    w.write(b"HEAD /echo HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: " in head
+    status, _, body = await read_response(r)  # the next bytes are the GET's answer, not a HEAD body
+    assert status == 200 and json.loads(body)["path"] == "/echo"
+    w.close()
+
+
+async def test_streamed_response_is_chunked_and_plain_for_http10(app):
+    r, w = await connect(app)
+    w.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, h, body = await read_response(r)
+    assert status == 200 and h["transfer-encoding"] == "chunked" and body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    w.close()
+    r, w = await connect(app)
+    w.write(b"GET /stream HTTP/1.0\r\n\r\n")
+    status, h, body = await read_response(r)  # no length, no chunks: the body ends with the connection
+    assert status == 200 and "transfer-encoding" not in h and body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    w.close()
+
+
+async def test_client_going_away_cancels_the_handler(app):
+    r, w = await connect(app)
+    w.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(app.started.wait(), 5)
+    w.close()
+    await asyncio.wait_for(app.cancelled.wait(), 5)
+    assert app.active == 0
+
+
+# -- upstream client ------------------------------------------------------------------------------
+async def test_pool_reuses_connections_and_streams_chunks():
+    eng = await FakeEngine("e", tokens=3).start()
+    pool = UpstreamPool(connect_timeout=2, read_timeout=10)
+    try:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
+        for _ in range(3):
+            r = await pool.post(eng.url, "/v1/completions", body, {"X-Request-Id": "rid-1",
+                                                                   "Content-Type": "application/json"})
+            data = await r.read()
+            r.release()
+            assert r.status == 200 and json.loads(data)["choices"][0]["text"] == "tok0 tok1 tok2 "
+        assert pool.connects == 1
+        assert eng.headers[-1]["X-Request-Id"] == "rid-1"
+        sbody = json.dumps({"model": "m", "prompt": "hi", "stream": True}).encode()
+        r = await pool.post(eng.url, "/v1/completions", sbody, {"Content-Type": "application/json"})
+        got = b"".join([c async for c in r.iter_any()])
+        assert r.at_eof() and r.headers["content-type"].startswith("text/event-stream")
+        r.release()
+        events = [e for e in got.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and len(events) == 4
+        assert pool.connects == 1  # the streamed response ended cleanly: the connection was reused
+    finally:
+        pool.close()
+        await eng.stop()
+
+
+async def test_pool_retries_once_when_the_backend_closed_an_idle_connection():
+    served = []
+
+    async def one_per_connection(reader, writer):
+        # answers one request as keep-alive, then drops the connection when the next one arrives
+        # (the race of a backend's keep-alive timeout against the router reusing the connection)
+        await read_request(reader)
+        served.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)
+        writer.close()
+
+    srv, url = await raw_server(one_per_connection)
+    pool = UpstreamPool(connect_timeout=2, read_timeout=5)
+    try:
+        for _ in range(3):
+            r = await pool.post(url, "/x", b"{}")
+            assert (r.status, await r.read()) == (200, b"ok")
+            r.release()
+        assert len(served) == 3 and pool.connects == 3  # each reuse failed and was retried on a fresh one
+    finally:
+        pool.close()
+        srv.close()
+
+
+async def test_pool_errors_connect_timeout_read_and_until_eof():
+    pool = UpstreamPool(connect_timeout=2, read_timeout=0.3)
+    srv, url = await raw_server(lambda r, w: None)
+    srv.close()
+    await srv.wait_closed()
+    with pytest.raises(UpstreamError) as e:
+        await pool.post(url, "/x", b"{}")  # nothing listens there any more
+    assert e.value.kind == "connect"
+
+    async def silent(reader, writer):
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async def truncated(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b")
+        await writer.drain()
+        writer.close()
+
+    async def until_eof(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello ")
+        await writer.drain()
+        writer.write(b"world")
+        writer.close()
+
+    servers = [await raw_server(h) for h in (silent, truncated, until_eof)]
+    try:
+        with pytest.raises(UpstreamError) as e:
+            await pool.post(servers[0][1], "/x", b"{}")
+        assert e.value.kind == "timeout"
+        r = await pool.post(servers[1][1], "/x", b"{}")
+        with pytest.raises(UpstreamError) as e:
+            await r.read()
+        assert e.value.kind == "read"
+        r.close()
+        r = await pool.post(servers[2][1], "/x", b"{}")
+        assert await r.read() == b"hello world"
+        r.release()
+        assert all(not t.idle for t in pool._targets.values())  # nothing reusable was kept
+    finally:
+        pool.close()
+        for s, _ in servers:
+            s.close()
