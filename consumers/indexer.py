@@ -524,6 +524,69 @@ def decode_batch(data: bytes) -> KvEventBatch:
     return batch if batch is not None else decode_event(KvEventBatch, data)
 
 
+def snapshot_bucket_name(prefix: str | None, bucket: str) -> str:
+    """The object-store bucket of index snapshots under a subject prefix (bucket names have no dots)."""
+    return f"{prefix.replace('.', '_')}_{bucket}" if prefix else bucket
+
+
+async def fetch_snapshot_bytes(js, obj, bucket: str, name: str) -> bytes | None:  # noqa: ANN001
+    """A snapshot object's bytes (None when deleted or empty), digest-checked.
+
+    Chunks are read with direct gets, one request each: nats-py's ``ObjectStore.get`` reads
+    through an ordered push consumer whose flow-control replies wait for a 0.25 s poll
+    (about 1 s for 30 MB) and, without ``writeinto``, grows one bytes object chunk by chunk.
+    Buckets without direct gets fall back to ``get(writeinto=...)``.
+    """
+    info = await obj.get_info(name)
+    if info.deleted or not info.size:
+        return None
+    try:
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
+        parts = []
+        seq = 0
+        for _ in range(info.chunks or 0):
+            raw = await js.get_msg(stream, seq=seq + 1, subject=subject, direct=True, next=True)
+            parts.append(raw.data or b"")
+            seq = raw.seq
+        data = b"".join(parts)
+    except Exception as exc:  # noqa: BLE001 - e.g. a bucket made without allow_direct
+        log.info("direct reads of the snapshot failed (%s); reading it through the object store", exc)
+        buf = io.BytesIO()
+        await obj.get(name, writeinto=buf)
+        return buf.getvalue()
+    want = info.digest or ""
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+    if len(data) != info.size or want.split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
+        raise ValueError(f"snapshot {bucket}/{name} is incomplete or corrupt "
+                         f"({len(data)} of {info.size} bytes, digest mismatch)")
+    return data
+
+
+async def read_snapshot(js, bucket: str, name: str) -> tuple[int, float, list[KvEventBatch]] | None:  # noqa: ANN001
+    """The newest index snapshot an indexer wrote, as ``(stream sequence, created, batches)``;
+    None when there is none. Other services (router replicas) start from it instead of
+    replaying the whole KV stream: apply the batches, then read from ``sequence + 1``."""
+    try:
+        obj = await js.object_store(bucket)
+        data = await fetch_snapshot_bytes(js, obj, bucket, name)
+    except NotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - the object store says "not found" in several ways
+        if "not found" in str(exc).lower():
+            return None
+        raise
+    if not data:
+        return None
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return decode_snapshot(data)
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+
 class IndexerMetrics:
     def __init__(self, registry: CollectorRegistry | None, service: "IndexerService"):
         self.batches = Counter("infernex_indexer_batches_total", "KV event batches applied", registry=registry)
@@ -594,7 +657,7 @@ class IndexerService:
         if spec is None:
             raise ValueError(f"no stream in the topology holds {self.subject}")
         self.stream = spec.name
-        self.bucket = (f"{prefix.replace('.', '_')}_{config.snapshot_bucket}" if prefix else config.snapshot_bucket)
+        self.bucket = snapshot_bucket_name(prefix, config.snapshot_bucket)
         self.metrics = IndexerMetrics(registry, self)
         self._query_seconds = {via: self.metrics.query.labels(via) for via in ("api", "http", "nats")}
         self.applied_seq = 0
@@ -748,37 +811,7 @@ class IndexerService:
         return seq + 1
 
     async def _fetch_snapshot(self) -> bytes | None:
-        """The snapshot object's bytes (None when deleted or empty), digest-checked.
-
-        Chunks are read with direct gets, one request each: nats-py's ``ObjectStore.get`` reads
-        through an ordered push consumer whose flow-control replies wait for a 0.25 s poll
-        (about 1 s for 30 MB) and, without ``writeinto``, grows one bytes object chunk by chunk.
-        Buckets without direct gets fall back to ``get(writeinto=...)``.
-        """
-        info = await self._obj.get_info(self.config.durable)
-        if info.deleted or not info.size:
-            return None
-        try:
-            stream = OBJ_STREAM_TEMPLATE.format(bucket=self.bucket)
-            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
-            parts = []
-            seq = 0
-            for _ in range(info.chunks or 0):
-                raw = await self._js.get_msg(stream, seq=seq + 1, subject=subject, direct=True, next=True)
-                parts.append(raw.data or b"")
-                seq = raw.seq
-            data = b"".join(parts)
-        except Exception as exc:  # noqa: BLE001 - e.g. a bucket made without allow_direct
-            log.info("direct reads of the snapshot failed (%s); reading it through the object store", exc)
-            buf = io.BytesIO()
-            await self._obj.get(self.config.durable, writeinto=buf)
-            return buf.getvalue()
-        want = info.digest or ""
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-        if len(data) != info.size or want.split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
-            raise ValueError(f"snapshot {self.bucket}/{self.config.durable} is incomplete or corrupt "
-                             f"({len(data)} of {info.size} bytes, digest mismatch)")
-        return data
+        return await fetch_snapshot_bytes(self._js, self._obj, self.bucket, self.config.durable)
 
     async def _point_consumer(self, start_seq: int) -> None:
         """(Re)create the durable push consumer so it delivers from ``start_seq``, and subscribe.

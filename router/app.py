@@ -41,7 +41,8 @@ class RouterApp:
             from router.records import BusRecordSink
 
             self.nc = await bus.connect(self.nats, name="infernex-router")
-            self.feeds = BusFeeds(self.nc, self.state, prefix=prefix, index=self.index, registry=self.registry)
+            self.feeds = BusFeeds(self.nc, self.state, prefix=prefix, index=self.index, registry=self.registry,
+                                  kv_snapshot=self.cfg.kv_snapshot)
             await self.feeds.start()
             if self.cfg.records:
                 self.records = BusRecordSink(self.nc.jetstream(), self.cfg.pool, buffer=self.cfg.records_buffer,

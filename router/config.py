@@ -59,6 +59,10 @@ class RouterConfig(_S):
     tokenizer: str | None = Field(default="simple", description="'simple', a tokenizer.json path, or null")
     tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
     block_size: int = Field(default=16, gt=0)
+    kv_snapshot: str | None = Field(
+        default="kv-index-snapshots/kv-indexer",
+        description="BUCKET/NAME of the indexer's snapshot object: the embedded KV index starts from it "
+                    "and reads the KV stream from the sequence it covers (null: replay the whole stream)")
     seed: int | None = None
     # resilience
     max_retries: int = Field(default=2, ge=0)

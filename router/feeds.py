@@ -2,7 +2,8 @@
 
 Each subject is read with an ordered JetStream consumer (no durable state: the router rebuilds
 its view on start): engine metrics, announcements and device telemetry from the last message per subject,
-diagnoses and KV events from the start of their streams. Every message is decoded with its
+diagnoses from the start of their stream, and KV events from the indexer's newest snapshot (the
+sequence it covers) or, without one, from the start of the stream. Every message is decoded with its
 schema and folded into :class:`router.state.ClusterState` or the embedded KV index; a message
 that does not decode goes to the dead-letter subject with the reason, and the feed keeps going.
 """
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 
 class BusFeeds:
     def __init__(self, nc, state: ClusterState, *, prefix: str | None = None, index: Any = None,
-                 registry: CollectorRegistry | None = None, consumer_name: str = "router"):
+                 registry: CollectorRegistry | None = None, consumer_name: str = "router",
+                 kv_snapshot: str | None = None):
         self.nc = nc
         self.js = nc.jetstream()
         self.state = state
@@ -40,6 +42,9 @@ class BusFeeds:
                                ["kind"], registry=registry)
         self._subs: list = []
         self._pending: set[asyncio.Task] = set()
+        self.kv_snapshot = kv_snapshot
+        self.kv_start_seq = 1  # where the KV feed started reading (after the snapshot, if any)
+        self.kv_restored_batches = 0
 
     async def start(self) -> None:
         feeds = [
@@ -51,26 +56,58 @@ class BusFeeds:
         ]
         if self.index is not None:
             feeds.append((S.ALL_KV_EVENTS, DeliverPolicy.ALL, KvEventBatch, self._apply_kv))
+        if self.index is not None and self.kv_snapshot:
+            self.kv_start_seq = await self._restore_kv(self.kv_snapshot)
         for subject, policy, model, fold in feeds:
             full = S.with_prefix(self.prefix, subject)
             spec = stream_for_subject(self.topology, full)
             cb = self._callback(spec.logical if spec else subject, model, fold)
             if spec is None:
                 self._subs.append(await self.nc.subscribe(full, cb=cb))
-            else:
-                self._subs.append(await self.js.subscribe(
-                    full, cb=cb, ordered_consumer=True, stream=spec.name,
-                    config=ConsumerConfig(deliver_policy=policy)))
+                continue
+            config = ConsumerConfig(deliver_policy=policy)
+            if model is KvEventBatch and self.kv_start_seq > 1:
+                config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.kv_start_seq)
+            self._subs.append(await self.js.subscribe(full, cb=cb, ordered_consumer=True, stream=spec.name,
+                                                      config=config))
+
+    async def _restore_kv(self, where: str) -> int:
+        """Load the indexer's newest snapshot into the embedded index; the KV stream sequence to
+        read from next (1 when there is no usable snapshot)."""
+        from consumers.indexer import read_snapshot, snapshot_bucket_name
+
+        bucket, _, name = where.partition("/")
+        bucket = snapshot_bucket_name(self.prefix, bucket)
+        try:
+            snap = await read_snapshot(self.js, bucket, name or "kv-indexer")
+        except Exception as exc:  # noqa: BLE001 - a broken snapshot: replay the stream instead
+            log.warning("KV snapshot %s/%s unusable (%s); reading the whole KV stream", bucket, name, exc)
+            return 1
+        if snap is None:
+            return 1
+        seq, _created, batches = snap
+        self.index.apply_many(batches)
+        self.kv_restored_batches = len(batches)
+        log.info("KV index restored from snapshot %s/%s (%d batches, stream sequence %d)", bucket, name,
+                 len(batches), seq)
+        return seq + 1
 
     def _apply_kv(self, batch: KvEventBatch) -> None:
         self.index.apply(batch)
 
     def _callback(self, stream: str, model, fold):
         kind = model.__name__
+        if model is KvEventBatch:
+            from consumers.indexer import decode_batch  # msgspec fast path, pydantic for bad input
+
+            decode = decode_batch
+        else:
+            def decode(data: bytes):
+                return decode_event(model, data)
 
         async def cb(msg) -> None:
             try:
-                event = decode_event(model, msg.data)
+                event = decode(msg.data)
             except ValidationFailure as exc:
                 await self._dead(stream, msg, str(exc))
                 return

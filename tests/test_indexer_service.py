@@ -400,3 +400,59 @@ async def test_an_unreadable_snapshot_means_replaying_the_whole_stream(nats_conf
     finally:
         await svc.stop()
         await js.delete_object_store(svc.bucket)
+
+
+async def test_a_router_replica_starts_from_the_indexer_snapshot(nats_config, topology, nc, prefix):
+    """A router's embedded index loads the indexer's snapshot and reads only what came after it,
+    instead of replaying the whole KV stream."""
+    from router.config import RouterConfig
+    from router.feeds import BusFeeds
+    from router.state import ClusterState
+
+    js = nc.jetstream()
+    wl = Workload(seed=11)
+    truth = KvIndex(ManualClock())
+    cfg = IndexerConfig(http_port=None, nats_query=False, durable="ix-for-router", snapshot_every_events=10_000)
+    ix = IndexerService(cfg, nats_config, registry=CollectorRegistry())
+    await ix.start()
+    feeds = None
+    try:
+        for _ in range(80):
+            b = wl.next()
+            truth.apply(b)
+            ack = await publish(js, prefix, b)
+
+        async def ix_done():
+            return ix.applied_seq >= ack.seq
+
+        await wait_for(ix_done, what="indexer caught up")
+        await ix.snapshot()
+        covered = ix.snapshot_seq
+        after = 30
+        for _ in range(after):
+            b = wl.next()
+            truth.apply(b)
+            ack = await publish(js, prefix, b)
+
+        registry = CollectorRegistry()
+        embedded = KvIndex(ManualClock())
+        feeds = BusFeeds(nc, ClusterState(RouterConfig()), prefix=prefix, index=embedded, registry=registry,
+                         kv_snapshot=f"{cfg.snapshot_bucket}/{cfg.durable}")
+        await feeds.start()
+        assert feeds.kv_start_seq == covered + 1 and feeds.kv_restored_batches > 0
+
+        def kv_applied() -> float:
+            return registry.get_sample_value("infernex_router_feed_messages_total", {"kind": "KvEventBatch"}) or 0.0
+
+        async def router_done():
+            return kv_applied() >= after
+
+        await wait_for(router_done, what="router feed caught up")
+        await asyncio.sleep(0.2)
+        assert kv_applied() == after  # only the batches after the snapshot were read from the stream
+        assert embedded == truth
+    finally:
+        if feeds is not None:
+            await feeds.stop()
+        await ix.stop()
+        await js.delete_object_store(ix.bucket)
