@@ -1,0 +1,18 @@
+#!/bin/bash
+# The benches of bench/RESULTS.md's "Quiet reruns" section, back to back, each output in OUT/<name>.txt
+# with its command, start and end time and load average.   Usage: bench/run_all.sh [OUT] [PYTHON]
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(mkdir -p "${1:-bench-out}" && cd "${1:-bench-out}" && pwd)
+P=${2:-python}
+BIN=$(dirname "$(command -v "$P")")
+cd "$ROOT"
+run() { name=$1; shift; echo "== $name: $* (start $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg))" > "$OUT/$name.txt"; ( time "$@" ) >> "$OUT/$name.txt" 2>&1; echo "== end $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/$name.txt"; }
+DYN=()
+[ -x /tmp/dynamo-venv/bin/python ] && DYN=(--dynamo-python /tmp/dynamo-venv/bin/python)
+run kv "$P" -P bench/kv_index.py --events 200000 --queries 20000 "${DYN[@]}"
+run router "$P" -P bench/router.py
+run simulate "$BIN/infernex" simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl -p round-robin -p least-load -p kv-aware -p dynamo-cost --out "$OUT/sim-out"
+run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
+run replay "$P" -P bench/replay.py --messages 100000 --workers 1,2,4
+(cd "$OUT" && run demo "$BIN/infernex" demo --out "$OUT/demo-out")
