@@ -49,6 +49,9 @@ class DemoConfig:
     services: bool = True
     incident: bool = True
     incident_requests: int = 40
+    # PD strategies run on the xPyD group alone; replay them at the same load per engine as the
+    # aggregated strategies (arrivals stretched by aggregated / PD engines), not 2x-4x overloaded
+    pd_same_load_per_engine: bool = True
 
 
 async def _wait(cond, timeout: float, what: str, interval: float = 0.05, *, required: bool = True) -> bool:
@@ -209,9 +212,13 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                                   role=roles[h.engine_id], group="g0" if roles[h.engine_id] != "aggregated" else None)
                     for h in cluster.engines]
 
+        pd_engines = cfg.prefill + cfg.decode
+        pd_stretch = (max(1.0, cfg.engines / pd_engines)
+                      if cfg.pd_same_load_per_engine and pd_engines and cfg.engines else 1.0)
         for strategy in cfg.strategies:
             if stop.is_set():
                 break
+            stretch = pd_stretch if strategy.startswith("pd-") else 1.0
             # a fair start: every engine's prefix cache empty, and the index has seen it
             for h in cluster.engines:
                 h.call(lambda e: (e.core.reset_prefix_cache(), e._flush_events(e.core.take_pending_events())))
@@ -227,10 +234,12 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             app = RouterApp(rcfg, nats_cfg, registry=CollectorRegistry())
             url = await app.start(port=0)
             n_before = len(records)
-            console.print(f"  [cyan]{strategy}[/cyan]: router at {url}, replaying ...")
+            console.print(f"  [cyan]{strategy}[/cyan]: router at {url}, replaying"
+                          + (f" (arrivals {stretch:g}x slower for the {pd_engines} PD engines)" if stretch > 1 else "")
+                          + " ...")
             t = time.monotonic()
             t_wall = time.time()
-            res = await replay(rows, url, model=MODEL, time_scale=1.0 / cfg.time_scale,
+            res = await replay(rows, url, model=MODEL, time_scale=stretch / cfg.time_scale,
                                concurrency=cfg.concurrency, stop=stop, timeout_s=120)
             await _bounded(app.stop(drain=True), "router", timeout=45)
             # records are published off the request path (bounded buffer): count what arrived
@@ -249,7 +258,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             queries = sum(d[2] for p, d in delta.items() if roles[p] != "decode")
             summary = summarize(res.requests)
             results.append(StrategyResult(strategy, summary, chosen / best if best else None, spread,
-                                          {"wall_s": time.monotonic() - t, "records": len(mine)},
+                                          {"wall_s": time.monotonic() - t, "records": len(mine), "arrival_stretch": stretch},
                                           engine_hit_rate=hits / queries if queries else None))
             res.write(cfg.out / f"replay-{strategy}.json")
             windows[strategy] = (t_wall, time.time())
@@ -277,7 +286,10 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                 "load spread = max/mean engine busy time over the engines the strategy used",
                 "hit rate = prefix-cache hits / lookups counted by the engines (prefill side for PD)",
                 "overlap chosen/best = cached prefix blocks on the chosen backend / best any backend had",
-            ])
+            ] + ([f"PD strategies use the {cfg.prefill}P{cfg.decode}D group alone ({pd_engines} engines against "
+                  f"{cfg.engines} aggregated), so they replay the same rows with arrivals {pd_stretch:g}x slower: "
+                  f"the same load per engine"] if pd_stretch > 1 and any(x.startswith("pd-") for x in cfg.strategies)
+                 else []))
             (cfg.out / "control-plane.json").write_text(json.dumps({
                 "sla": sla_rows, "tables": tables, "incident": incident,
                 "findings": [f.model_dump(mode="json") for f in findings]}, indent=2, default=str))
