@@ -81,6 +81,8 @@ class RouterConfig(_S):
     rate_limit_rps: float | None = Field(default=None, gt=0, description="per API key")
     rate_limit_burst: int = Field(default=20, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    request_timeout_s: float = Field(default=30.0, gt=0,
+                                     description="a request must arrive whole within this long of its first byte (else 408)")
     # records
     records: bool = True
     records_buffer: int = Field(default=10_000, gt=0)

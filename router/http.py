@@ -167,7 +167,7 @@ Handler = Callable[[Request], Awaitable[Any]]
 class _HttpProtocol(asyncio.Protocol):
     __slots__ = ("server", "transport", "parser", "remote", "closed", "paused", "close_after", "_url", "_headers",
                  "_body", "_size", "_head_size", "_queue", "_task", "_drain", "_too_large", "idle_since", "_stopped",
-                 "_discard")
+                 "_discard", "reading_since")
 
     def __init__(self, server: "Server"):
         self.server = server
@@ -184,6 +184,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._head_size = 0
         self._too_large = False
         self.idle_since = 0.0  # loop time when the connection last finished a request (0: busy or new)
+        self.reading_since = 0.0  # loop time a request began arriving, until it is complete (0: none)
         self._stopped = False  # reading paused after an error: unread input may be pending
         self._discard = False  # lingering close: input is read and dropped
         self._queue: deque[Request | HttpError] = deque()
@@ -250,6 +251,7 @@ class _HttpProtocol(asyncio.Protocol):
     # -- httptools callbacks --------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.idle_since = 0.0
+        self.reading_since = self.server.loop.time()
         self._url = b""
         self._headers = {}
         self._body = []
@@ -299,6 +301,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._queue_request()
 
     def _queue_request(self) -> None:
+        self.reading_since = 0.0
         p = self.parser
         url = self._url.decode("latin-1")
         path, _, query = url.partition("?")
@@ -393,9 +396,12 @@ class Server:
     def __init__(self, *, max_body: int = 4 * 1024 * 1024,
                  wrap: Callable[[Request, Handler], Awaitable[Any]] | None = None,
                  on_error: Callable[[Request | None, HttpError], Awaitable[Response]] | None = None,
-                 keepalive_s: float = 75.0):
+                 keepalive_s: float = 75.0, request_timeout_s: float = 30.0):
         self.max_body = max_body
         self.keepalive_s = keepalive_s  # idle keep-alive connections are closed after this long
+        # a request whose head and body have not all arrived this long after its first byte is
+        # answered 408 and its connection closed (a client trickling bytes holds no socket forever)
+        self.request_timeout_s = request_timeout_s
         self._sweeper: asyncio.Task | None = None
         self.routes: dict[str, dict[str, Handler]] = {}
         self.wrap = wrap
@@ -446,12 +452,21 @@ class Server:
         return self._server.sockets[0].getsockname()[:2]
 
     async def _sweep(self) -> None:
-        """Close keep-alive connections idle for longer than ``keepalive_s`` (no timer per request)."""
+        """Close keep-alive connections idle for longer than ``keepalive_s``, and answer 408 to
+        requests still arriving after ``request_timeout_s`` (no timer per request)."""
         while True:
-            await asyncio.sleep(min(5.0, self.keepalive_s / 2))
-            limit = self.loop.time() - self.keepalive_s
+            await asyncio.sleep(min(5.0, self.keepalive_s / 2, self.request_timeout_s / 2))
+            now = self.loop.time()
+            limit = now - self.keepalive_s
+            slow = now - self.request_timeout_s
             for c in list(self._conns):
-                if c.idle_since and c.idle_since < limit and c._task is None and c.transport is not None:
+                if c._task is not None or c.transport is None:
+                    continue
+                if c.idle_since and c.idle_since < limit:
+                    c.transport.close()
+                elif c.reading_since and c.reading_since < slow:
+                    c.send(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\nContent-Length: 36\r\n"
+                           b"Connection: close\r\n\r\nrequest not received within timeout\n")
                     c.transport.close()
 
     async def close(self, grace_s: float = 1.0) -> None:

@@ -171,7 +171,8 @@ class RouterService:
 
     # -- lifecycle ------------------------------------------------------------------------
     def _build_app(self) -> Server:
-        app = Server(max_body=self.cfg.max_body_bytes, wrap=self._middleware, on_error=self._http_error)
+        app = Server(max_body=self.cfg.max_body_bytes, wrap=self._middleware, on_error=self._http_error,
+                     request_timeout_s=self.cfg.request_timeout_s)
         app.add("POST", "/v1/chat/completions", self.chat)
         app.add("POST", "/v1/completions", self.completions)
         app.add("GET", "/v1/models", self.models)

@@ -303,3 +303,28 @@ async def test_pool_errors_connect_timeout_read_and_until_eof():
         pool.close()
         for s, _ in servers:
             s.close()
+
+
+async def test_a_request_trickling_in_gets_408_and_its_connection_closed():
+    async def ok(req):
+        return Response(200, b"ok", "text/plain")
+
+    srv = Server(request_timeout_s=0.4, keepalive_s=60)
+    srv.add("POST", "/v1/completions", ok)
+    host, port = await srv.start("127.0.0.1", 0)
+    try:
+        # a complete request on a fresh connection is served normally
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        status, _, body = await read_response(reader)
+        assert (status, body) == (200, b"ok")
+        writer.close()
+        # headers sent, the body promised but never finished: the server answers 408 and hangs up
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"a\":")
+        status, headers, body = await read_response(reader)
+        assert status == 408 and headers.get("connection") == "close" and b"timeout" in body
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed
+        writer.close()
+    finally:
+        await srv.close()
