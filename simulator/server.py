@@ -615,7 +615,11 @@ class SimEngine:
         except _Killed:
             _drop_connection(request)
             return web.Response(status=500)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            # the client hung up mid-stream: the request is aborted below, as vLLM aborts it; a
+            # response is still returned so aiohttp closes quietly instead of logging an error
+            return web.Response(status=499)
+        except asyncio.CancelledError:
             raise
         finally:
             if not finished:

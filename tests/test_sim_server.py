@@ -278,3 +278,22 @@ def test_kv_gap_and_restart_seen_by_subscriber():
         finally:
             sub.close()
             ctx.term()
+
+
+def test_a_client_hanging_up_mid_stream_aborts_its_request_quietly(url, caplog):
+    import logging
+
+    caplog.set_level(logging.ERROR)
+    with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+        "prompt": list(range(300, 340)), "max_tokens": 4000, "stream": True, "ignore_eos": True,
+    }) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    # the connection is closed after the first chunk: the engine drops the request ...
+    deadline = time.monotonic() + 30
+    while metric(url, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, "vllm:num_requests_running") == 0
+    time.sleep(0.2)
+    # ... without an error logged for the write that found the connection gone
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
