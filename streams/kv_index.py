@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from functools import partial
 from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import and_, is_, not_, or_
+from operator import and_, attrgetter, is_, not_, or_
 from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
@@ -160,10 +160,10 @@ class ApplyStats:
     rejected: int = 0  # events rejected (block size differs from the model's)
 
     def __iadd__(self, other: "ApplyStats") -> "ApplyStats":
-        for name in _STAT_NAMES:
-            v = getattr(other, name)
-            if v:
-                setattr(self, name, getattr(self, name) + v)
+        # once per applied batch: read every count in C, touch only the few that moved
+        vals = _stat_values(other)
+        for name, v in zip(compress(_STAT_NAMES, vals), filter(None, vals)):
+            setattr(self, name, getattr(self, name) + v)
         return self
 
     def as_dict(self) -> dict[str, int]:
@@ -171,6 +171,7 @@ class ApplyStats:
 
 
 _STAT_NAMES = tuple(f.name for f in fields(ApplyStats))
+_stat_values = attrgetter(*_STAT_NAMES)
 
 
 @dataclass(frozen=True)
