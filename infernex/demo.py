@@ -280,7 +280,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                  f"{cfg.prefill}P{cfg.decode}D ({cfg.hardware}, {cfg.model_profile}), time x{cfg.time_scale:g}")
         if results:
             console.print(rich_table(results, title))
-            paths = write_report(results, cfg.out, title=title, notes=[
+            paths = write_report(results, cfg.out, title=title, sections=_sections(sla_rows, incident, findings), notes=[
                 f"latencies are wall-clock; the simulated engines run {cfg.time_scale:g}x faster than the "
                 f"{cfg.hardware} profile, and trace arrivals are compressed by the same factor",
                 "load spread = max/mean engine busy time over the engines the strategy used",
@@ -413,3 +413,30 @@ def _print_findings(findings, console) -> None:
     for f in latest.values():
         console.print(f"  {f.status:8} {f.severity:8} {f.node}/{f.device} {f.fault_mode}: {f.summary}"
                       f" (pods {', '.join(f.pods) or '-'})")
+
+
+def _sections(sla_rows: list[dict], incident: dict, findings: list) -> list:
+    """The control-plane part of the report: SLA history from ClickHouse, the incident, findings."""
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    out = []
+    if sla_rows:
+        out.append(("SLA history read back from ClickHouse",
+                    ["strategy", "requests", "TTFT p50 ms", "TTFT p90 ms", "cached/prompt tokens", "SLA attainment"],
+                    [[r["strategy"], str(r["requests"]), ms(r["ttft_p50_s"]), ms(r["ttft_p90_s"]),
+                      pct(r["prefix_hit_rate"]), pct(r["attainment"])] for r in sla_rows]))
+    if incident:
+        out.append(("Incident: a critical NPU fault under one engine", ["what", "value"],
+                    [[k.replace("_", " "), str(v)] for k, v in incident.items()]))
+    latest: dict[str, object] = {}
+    for f in findings:
+        latest[f.finding_id] = f
+    if latest:
+        out.append(("Diagnosis findings", ["status", "severity", "device", "fault", "pods", "remediation"],
+                    [[f.status, f.severity, f"{f.node}/{f.device}", f.fault_mode, ", ".join(f.pods), f.remediation]
+                     for f in latest.values()]))
+    return out

@@ -101,14 +101,27 @@ def plot_png(results: list[StrategyResult], title: str) -> bytes:
     return buf.getvalue()
 
 
-def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, notes: list[str] | None = None) -> dict:
-    """Write ``comparison.png``, ``report.html``, ``report.md`` and ``results.json``; return paths."""
+Section = tuple[str, list[str], list[list[str]]]  # heading, column names, rows of cells
+
+
+def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, notes: list[str] | None = None,
+                 sections: list[Section] | None = None) -> dict:
+    """Write ``comparison.png``, ``report.html``, ``report.md`` and ``results.json``; return paths.
+    ``sections``: more tables after the comparison (e.g. the demo's SLA history and incident)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot_png(results, title)
     (out_dir / "comparison.png").write_bytes(png)
     md = f"# {title}\n\n" + markdown_table(results) + "\n"
     if notes:
         md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    sections_html = ""
+    for heading, cols, rows in sections or []:
+        md += f"\n## {heading}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+        md += "".join("| " + " | ".join(c.replace("|", "/") for c in row) + " |\n" for row in rows)
+        sections_html += (f"<h2>{html.escape(heading)}</h2><table><tr>"
+                          + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>"
+                          + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                                    for row in rows) + "</table>")
     (out_dir / "report.md").write_text(md)
     rows_html = "".join(
         "<tr>" + "".join(f"<td>{html.escape(fn(r))}</td>" for _, fn in COLUMNS) + "</tr>" for r in results
@@ -121,6 +134,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}td:first-child{{t
 <table><tr>{''.join(f'<th>{html.escape(n)}</th>' for n, _ in COLUMNS)}</tr>{rows_html}</table>
 <ul>{notes_html}</ul>
 <img alt="comparison plot" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>
+{sections_html}
 </body></html>
 """
     (out_dir / "report.html").write_text(page)

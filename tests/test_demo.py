@@ -53,6 +53,9 @@ def test_short_demo_run(tmp_path):
     assert inc["ok"] == inc["requests"] > 0
     assert inc["sent_to_faulty_pod"] == 0
     assert any(f["finding_id"] == inc["finding"] and inc["pod"] in f["pods"] for f in cp["findings"])
+    # ... and the report says so too
+    assert "SLA history read back from ClickHouse" in html and "Diagnosis findings" in html
+    assert "sent to faulty pod" in html
     # everything it started is gone: no nats-server left on its store
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(out / "nats") not in ps
