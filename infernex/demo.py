@@ -375,7 +375,7 @@ async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: 
     while time.monotonic() < deadline and await asyncio.to_thread(count) < n_records:
         await asyncio.sleep(0.25)
     table = Table(title="SLA history read back from ClickHouse (request records per strategy window)")
-    for col in ("strategy", "requests", "TTFT p50 ms", "TTFT p90 ms", "cached/prompt tokens", "SLA attainment"):
+    for col in SLA_COLUMNS:
         table.add_column(col, justify="right" if col != "strategy" else "left")
     out = []
     for strategy, (since, until) in windows.items():
@@ -392,23 +392,32 @@ async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: 
         row = {"strategy": strategy, "requests": n, "ttft_p50_s": wavg("ttft_p50"), "ttft_p90_s": wavg("ttft_p90"),
                "prefix_hit_rate": wavg("prefix_hit_rate"), "attainment": wavg("attainment")}
         out.append(row)
-
-        def ms(v):
-            return "-" if v is None else f"{v * 1000:.0f}"
-
-        def pct(v):
-            return "-" if v is None else f"{v:.1%}"
-
-        table.add_row(strategy, str(n), ms(row["ttft_p50_s"]), ms(row["ttft_p90_s"]), pct(row["prefix_hit_rate"]),
-                      pct(row["attainment"]))
+        table.add_row(*_sla_cells(row))
     console.print(table)
     return out
 
 
+SLA_COLUMNS = ["strategy", "requests", "TTFT p50 ms", "TTFT p90 ms", "cached/prompt tokens", "SLA attainment"]
+
+
+def _sla_cells(row: dict) -> list[str]:
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    return [row["strategy"], str(row["requests"]), ms(row["ttft_p50_s"]), ms(row["ttft_p90_s"]),
+            pct(row["prefix_hit_rate"]), pct(row["attainment"])]
+
+
+def _latest(findings: list) -> dict:
+    """The newest revision of each finding (the bus carries every update)."""
+    return {f.finding_id: f for f in findings}
+
+
 def _print_findings(findings, console) -> None:
-    latest: dict[str, object] = {}
-    for f in findings:
-        latest[f.finding_id] = f
+    latest = _latest(findings)
     console.print(f"diagnosis findings: {len(latest)}")
     for f in latest.values():
         console.print(f"  {f.status:8} {f.severity:8} {f.node}/{f.device} {f.fault_mode}: {f.summary}"
@@ -417,24 +426,13 @@ def _print_findings(findings, console) -> None:
 
 def _sections(sla_rows: list[dict], incident: dict, findings: list) -> list:
     """The control-plane part of the report: SLA history from ClickHouse, the incident, findings."""
-    def ms(v):
-        return "-" if v is None else f"{v * 1000:.0f}"
-
-    def pct(v):
-        return "-" if v is None else f"{v:.1%}"
-
     out = []
     if sla_rows:
-        out.append(("SLA history read back from ClickHouse",
-                    ["strategy", "requests", "TTFT p50 ms", "TTFT p90 ms", "cached/prompt tokens", "SLA attainment"],
-                    [[r["strategy"], str(r["requests"]), ms(r["ttft_p50_s"]), ms(r["ttft_p90_s"]),
-                      pct(r["prefix_hit_rate"]), pct(r["attainment"])] for r in sla_rows]))
+        out.append(("SLA history read back from ClickHouse", SLA_COLUMNS, [_sla_cells(r) for r in sla_rows]))
     if incident:
         out.append(("Incident: a critical NPU fault under one engine", ["what", "value"],
                     [[k.replace("_", " "), str(v)] for k, v in incident.items()]))
-    latest: dict[str, object] = {}
-    for f in findings:
-        latest[f.finding_id] = f
+    latest = _latest(findings)
     if latest:
         out.append(("Diagnosis findings", ["status", "severity", "device", "fault", "pods", "remediation"],
                     [[f.status, f.severity, f"{f.node}/{f.device}", f.fault_mode, ", ".join(f.pods), f.remediation]
