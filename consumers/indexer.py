@@ -62,7 +62,7 @@ from streams.topology import StreamSpec, build_topology, stream_for_subject
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_FORMAT = 3
+SNAPSHOT_FORMAT = 4
 _LITTLE = sys.byteorder == "little"
 ACK_IDLE_S = 0.05  # while messages trickle in, ack at most this often
 SNAPSHOT_CHUNK = 1 << 20  # object-store chunk bytes (nats-py's default, 128 KiB, costs 8x the messages)
@@ -265,92 +265,62 @@ def encode_snapshot(index: KvIndex, stream_seq: int, created: float) -> bytes:
 
 
 def encode_dump(dump: list[KvEventBatch], stream_seq: int, created: float) -> bytes:
-    """A :meth:`~streams.kv_index.KvIndex.dump` as compact msgpack (format 3).
+    """A :meth:`~streams.kv_index.KvIndex.dump` as compact msgpack (format 4).
 
     A batch is ``[pod, model, epoch, seq, ts, events]``; a stored event is
-    ``["s", hashes, parent_key, rows, block_size, medium, lora_id, lora_name]`` where
-    ``hashes`` is packed uint64-LE and ``rows`` packed uint32-LE indexes into a per-block-size
-    token table (``tokens[block_size]``: every distinct block's uint32-LE token ids, one row
-    each, so a block many pods hold is written once); a gone pod is ``["g"]``. Packed arrays
-    keep both the snapshot and its decoding small (no Python object per hash or token).
+    ``["k", hashes, keys, block_size, medium]`` with ``hashes`` (the engine's) and ``keys``
+    (ours, see ``BlockStored.block_keys``) packed uint64-LE; a gone pod is ``["g"]``. Packed
+    arrays keep both the snapshot and its decoding small (no Python object per block).
     """
     rows = []
-    tables: dict[int, dict[bytes, int]] = {}
     for b in dump:
         events = []
         for e in b.events:
-            if isinstance(e, BlockStored):
-                bs = e.block_size
-                w = bs * 4
-                table = tables.get(bs)
-                if table is None:
-                    table = tables[bs] = {}
-                raw = _le_bytes(e.token_ids, "I")
-                put = table.setdefault
-                idx = [put(raw[i:i + w], len(table)) for i in range(0, len(raw), w)]
-                events.append(["s", _le_bytes(e.block_hashes, "Q"), e.parent_key, _le_bytes(idx, "I"), bs,
-                               e.medium, e.lora_id, e.lora_name])
+            if isinstance(e, BlockStored) and e.block_keys is not None:
+                events.append(["k", _le_bytes(e.block_hashes, "Q"), _le_bytes(e.block_keys, "Q"), e.block_size,
+                               e.medium])
             elif isinstance(e, PodGone):
                 events.append(["g"])
             else:  # dump() only writes the two kinds above
                 raise ValueError(f"unexpected event in a dump: {e.type}")
         rows.append([b.pod, b.model, b.epoch, b.seq, b.ts, events])
-    return msgpack.packb({"format": SNAPSHOT_FORMAT, "stream_seq": stream_seq, "created": created,
-                          "tokens": {bs: b"".join(t) for bs, t in tables.items()}, "batches": rows})
+    return msgpack.packb({"format": SNAPSHOT_FORMAT, "stream_seq": stream_seq, "created": created, "batches": rows})
+
+
+def _le_array(blob: bytes) -> array:
+    a = array("Q")
+    a.frombytes(blob)
+    if not _LITTLE:
+        a.byteswap()
+    return a
 
 
 def decode_snapshot(data: bytes) -> tuple[int, float, list[KvEventBatch]]:
     """Inverse of :func:`encode_snapshot` (the snapshot is our own output: built without
-    re-validation). Token ids come back as ``array('I')``, which the fold reads as it reads a
-    list, without a Python int per token. Format 2 snapshots are still read."""
+    re-validation). Hashes and keys come back as ``array('Q')``, which the fold reads as it
+    reads a list, without a Python int per block. Formats 2 and 3 keyed blocks with another
+    hash: they are refused (ValueError), and the service replays the stream instead."""
     doc = msgpack.unpackb(data, strict_map_key=False)
-    if not isinstance(doc, dict) or doc.get("format") not in (2, SNAPSHOT_FORMAT):
-        raise ValueError("not an indexer snapshot of a known format")
-    if doc["format"] == 2:
-        return _decode_snapshot_v2(doc)
-    tables = {bs: np.frombuffer(blob, dtype="<u4").reshape(-1, bs) for bs, blob in doc["tokens"].items()}
+    if not isinstance(doc, dict) or "format" not in doc:
+        raise ValueError("not an indexer snapshot")
+    if doc["format"] != SNAPSHOT_FORMAT:
+        raise ValueError(f"snapshot format {doc['format']!r} is not {SNAPSHOT_FORMAT} (older snapshots keyed "
+                         "blocks with another hash)")
     batches = []
-    frombuffer = np.frombuffer
     for pod, model, epoch, seq, ts, rows in doc["batches"]:
         events: list = []
         for r in rows:
-            if r[0] == "s":
-                toks = array("I")
-                toks.frombytes(tables[r[4]][frombuffer(r[3], dtype="<u4")].tobytes())
-                if not _LITTLE:
-                    toks.byteswap()
+            if r[0] == "k":
                 events.append(_mk_stored(
-                    type="stored", block_hashes=frombuffer(r[1], dtype="<u8").tolist(), parent_block_hash=None,
-                    token_ids=toks, block_size=r[4], lora_id=r[6], lora_name=r[7], medium=r[5], parent_key=r[2]))
+                    type="stored", block_hashes=_le_array(r[1]), parent_block_hash=None, token_ids=[],
+                    block_size=r[3], lora_id=None, lora_name=None, medium=r[4], parent_key=None,
+                    block_keys=_le_array(r[2])))
             elif r[0] == "g":
                 events.append(PodGone())
             else:
                 raise ValueError(f"unknown snapshot row {r[0]!r}")
         batches.append(_mk_batch(schema_version=1, pod=pod, model=model, dp_rank=0, epoch=epoch, seq=seq, ts=ts,
                                  events=events))
-    return int(doc["stream_seq"]), float(doc["created"]), batches
-
-
-def _decode_snapshot_v2(doc: dict) -> tuple[int, float, list[KvEventBatch]]:
-    table = doc["tokens"]
-    batches = []
-    for pod, model, epoch, seq, ts, rows in doc["batches"]:
-        events: list = []
-        for r in rows:
-            if r[0] == "s":
-                toks = array("I")
-                toks.frombytes(b"".join(map(table.__getitem__, r[3])))
-                if sys.byteorder != "little":
-                    toks.byteswap()
-                events.append(BlockStored.model_construct(
-                    type="stored", block_hashes=r[1], parent_block_hash=None, token_ids=toks.tolist(),
-                    block_size=r[4], medium=r[5], lora_id=r[6], lora_name=r[7], parent_key=r[2]))
-            elif r[0] == "g":
-                events.append(PodGone())
-            else:
-                raise ValueError(f"unknown snapshot row {r[0]!r}")
-        batches.append(KvEventBatch.model_construct(schema_version=1, pod=pod, model=model, dp_rank=0, epoch=epoch,
-                                                    seq=seq, ts=ts, events=events))
     return int(doc["stream_seq"]), float(doc["created"]), batches
 
 
@@ -423,6 +393,7 @@ class _FStored(msgspec.Struct, tag="stored", tag_field="type", forbid_unknown_fi
     lora_name: str | None = None
     medium: _Medium | None = None
     parent_key: _Hash | None = None
+    block_keys: list[_Hash] | None = None
 
 
 class _FRemoved(msgspec.Struct, tag="removed", tag_field="type", forbid_unknown_fields=True):
@@ -497,13 +468,18 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
     events: list = []
     for e in b.events:
         if type(e) is _FStored:
-            if (len(e.token_ids) != len(e.block_hashes) * e.block_size or max(e.block_hashes) > U64
-                    or (e.parent_block_hash or 0) > U64 or (e.parent_key or 0) > U64):
+            if e.block_keys is not None:
+                if (len(e.block_keys) != len(e.block_hashes) or e.token_ids or min(e.block_keys) == 0
+                        or max(e.block_keys) > U64):
+                    return None
+            elif len(e.token_ids) != len(e.block_hashes) * e.block_size:
+                return None
+            if max(e.block_hashes) > U64 or (e.parent_block_hash or 0) > U64 or (e.parent_key or 0) > U64:
                 return None
             events.append(_mk_stored(
                 type="stored", block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
                 token_ids=e.token_ids, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
-                medium=e.medium, parent_key=e.parent_key))
+                medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys))
         elif type(e) is _FRemoved:
             if max(e.block_hashes) > U64:
                 return None

@@ -62,6 +62,10 @@ class BlockStored(_KvBase):
         default=None, ge=0, le=U64,
         description="the indexer's own chained key of the parent block; only index dumps set it "
                     "(engines leave it unset and give parent_block_hash)")
+    block_keys: list[int] | None = Field(
+        default=None,
+        description="the indexer's own key of every block (one per block hash); only index dumps set "
+                    "it, and then token_ids is empty: the keys already say which prefix each block ends")
 
     @field_validator("block_hashes", mode="before")
     @classmethod
@@ -84,6 +88,14 @@ class BlockStored(_KvBase):
 
     @model_validator(mode="after")
     def _shape(self) -> "BlockStored":
+        if self.block_keys is not None:
+            if len(self.block_keys) != len(self.block_hashes):
+                raise ValueError(f"block_keys has {len(self.block_keys)} keys for {len(self.block_hashes)} blocks")
+            if any(k <= 0 or k > U64 for k in self.block_keys):
+                raise ValueError("block_keys must be integers in [1, 2**64)")
+            if self.token_ids:
+                raise ValueError("token_ids must be empty when block_keys is given")
+            return self
         need = len(self.block_hashes) * self.block_size
         if len(self.token_ids) != need:
             raise ValueError(

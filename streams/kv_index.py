@@ -1,23 +1,20 @@
 """The global KV-cache index: a pure fold of :class:`schemas.KvEventBatch` messages.
 
 Keys
-    Blocks are keyed by our own chained hash over the token ids that ``BlockStored``
-    carries (:func:`block_keys`: xxh3-64 of the block's little-endian uint32 token bytes,
-    seeded with the parent block's key), never by the engine's hash, so the index does not
+    Blocks are keyed by our own chained 64-bit hash over the token ids that ``BlockStored``
+    carries (:func:`block_keys`, computed by :func:`streams.kv_core.chain_keys`: each block's
+    key is seeded with its parent's key), never by the engine's hash, so the index does not
     depend on how an engine hashes (sha256 over pickle or CBOR, seeded or not). Per pod and
     tier the index keeps ``engine hash -> key`` to resolve parents and removals.
 
-Data structure (per-block work in C-level dict passes; the cost left is cache misses)
-    per model and tier ``key -> pod bitmask`` (one bit per pod slot), plus ``key -> bitmask``
-    over all tiers when a model uses more than one tier. A query maps the dicts over the
-    query keys and folds them with ``itertools.accumulate(and)`` in C, stopping at the first
-    block no pod holds; because a prefix-AND only loses bits, the running masks decrease
-    numerically, so each pod's matched length is found by bisection, not by a Python loop.
-    Per pod and tier the index also keeps the stored events themselves (parent key, engine
-    hashes, keys, token bytes: references, no per-block copies) for :meth:`KvIndex.dump`; a
-    block is still held when the pod's ``engine hash -> key`` map points at that very key
-    object, and the list is compacted when dead blocks outnumber held ones. Ingest thus does
-    a handful of C-level dict passes per event and no per-block Python work besides hashing.
+Data structure
+    Per model, three open-addressing tables of ``uint64`` rows worked by compiled kernels
+    (:mod:`streams.kv_core`): ``key -> pod bitmask per tier``, ``(pod, tier, engine hash) ->
+    key`` and the alias counts. Applying a chunk of batches buffers its stored/removed events
+    as flat arrays and hands them to one kernel call, which hashes the tokens and updates the
+    tables block by block; a query walks the key table along the prompt's keys, AND-ing pod
+    masks until no pod is left. The Python side keeps what is per batch or per pod: sequence
+    and epoch checks, pod slots, predictions, stats.
 
 Deliberate handling of bad input (counted in :class:`ApplyStats`, never corrupting)
     * a batch whose ``(epoch, seq)`` is not newer than the pod's last one is dropped
@@ -26,7 +23,8 @@ Deliberate handling of bad input (counted in :class:`ApplyStats`, never corrupti
     * ``BlockStored`` whose parent the pod does not hold is skipped (its keys cannot be
       computed); removals of unknown blocks are counted and ignored; a block stored twice is
       counted as a duplicate; two engine hashes for the same key are reference-counted;
-    * a block size different from the model's first one is rejected (keys would differ).
+    * a block size different from the model's first one, or token ids that do not fill the
+      blocks, are rejected (keys would differ).
 
 Approximate mode
     :meth:`KvIndex.record_route` records the router's own decision as predicted blocks with a
@@ -37,36 +35,34 @@ Approximate mode
 
 Dump
     :meth:`KvIndex.dump` writes the exact state back out as events; restoring is
-    ``KvIndex(...).apply_many(dump)``. The events are rebuilt from the kept stored events: each
-    run of blocks a pod still holds becomes one ``BlockStored`` carrying ``parent_key`` (our key
-    of the parent), so replaying needs no parent lookups and blocks whose parent the pod no
-    longer holds survive a restore: they become usable again when the parent is stored again.
-    Predictions are transient and not dumped; :meth:`KvIndex.state` (used by ``==``) is the
-    exact state.
+    ``KvIndex(...).apply_many(dump)``. Each held ``engine hash -> key`` pair is written once, in
+    ``BlockStored`` events that carry our keys (``block_keys``) instead of token ids, so
+    replaying a dump needs neither parents nor hashing. Predictions are transient and not
+    dumped; :meth:`KvIndex.state` (used by ``==``) is the exact state.
 """
 
 from __future__ import annotations
 
 import heapq
-import sys
 from array import array
-from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from collections import deque
 from dataclasses import dataclass, fields
 from functools import partial
-from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import and_, attrgetter, is_, not_, or_
+from itertools import compress, repeat
+from operator import attrgetter, or_
 from typing import NamedTuple
 
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from schemas.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
+from streams import kv_core as core
 from streams.clock import Clock
 
 PRIMARY_TIER = "GPU"
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "LOCAL_FILE": 0.5, "REMOTE": 0.3}
-_LITTLE = sys.byteorder == "little"
+_U64 = (1 << 64) - 1
+_DUMP_CHUNK = 4096  # blocks per BlockStored event of a dump
 
 
 # --------------------------------------------------------------------------------------- keys
@@ -79,54 +75,42 @@ def root_seed(lora: int | str | None = None) -> int:
     return xxh3_64_intdigest(f"lora:{lora}".encode())
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    try:
-        if hasattr(token_ids, "astype"):  # numpy array
-            if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= 1 << 32):
-                raise ValueError("token ids must be integers in [0, 2**32)")
-            return token_ids.astype("<u4", copy=False).tobytes()
-        arr = array("I", token_ids)
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def _chunks(data: bytes, width: int, n: int) -> list[bytes]:
-    return list(map(data.__getitem__, map(slice, range(0, n * width, width), range(width, n * width + 1, width))))
-
-
-def _chain(chunks: list[bytes], seed: int) -> list[int]:
-    out = []
-    ap = out.append
-    h = xxh3_64_intdigest
-    for c in chunks:
-        seed = h(c, seed)
-        ap(seed)
-    return out
+def _token_array(token_ids: Sequence[int]) -> np.ndarray:
+    """Token ids as a uint32 array (ValueError unless every id is in [0, 2**32))."""
+    if isinstance(token_ids, np.ndarray):
+        if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= 1 << 32):
+            raise ValueError("token ids must be integers in [0, 2**32)")
+        return np.ascontiguousarray(token_ids, dtype=np.uint32)
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        arr = token_ids
+    else:
+        try:
+            arr = array("I", token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    return np.frombuffer(arr, dtype=np.uint32) if len(arr) else np.zeros(0, dtype=np.uint32)
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, parent: int | None = None,
                *, lora: int | str | None = None) -> list[int]:
     """Our chained 64-bit key of every full block of ``token_ids``.
 
-    ``key[i] = xxh3_64(uint32-LE tokens of block i, seed=key[i-1])``; the first block is seeded
-    with ``parent`` (a key) or, without one, with :func:`root_seed` of ``lora``. A trailing
-    partial block is ignored. Equal prefixes give equal keys in every process.
+    ``key[i] = chain(tokens of block i, seed=key[i-1])`` (:func:`streams.kv_core.chain_keys`);
+    the first block is seeded with ``parent`` (a key) or, without one, with :func:`root_seed`
+    of ``lora``. A trailing partial block is ignored. Equal prefixes give equal keys in every
+    process; keys are never 0.
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     n = len(token_ids) // block_size
     if n == 0:
         return []
-    data = _token_bytes(token_ids[: n * block_size] if len(token_ids) != n * block_size else token_ids)
-    return _chain(_chunks(data, block_size * 4, n), root_seed(lora) if parent is None else parent)
+    toks = _token_array(token_ids[: n * block_size] if len(token_ids) != n * block_size else token_ids)
+    seed = root_seed(lora) if parent is None else parent
+    return core.chain_keys(toks, block_size, n, np.uint64(seed)).tolist()
 
 
 # ------------------------------------------------------------------------------------ results
-
-
 class PodMatch(NamedTuple):
     """How much of a query's prefix one pod holds (immutable; a NamedTuple because a query
     builds one per pod and tuple construction is several times cheaper than a frozen dataclass)."""
@@ -189,74 +173,101 @@ class PodInfo:
 
 # -------------------------------------------------------------------------------- internals
 
+_TIER_ORDER_CACHE: dict = {}
+
 
 class _Model:
-    __slots__ = ("name", "block_size", "tiers", "present", "pred")
+    """One model's tables (see :mod:`streams.kv_core`) and its predictions."""
 
-    def __init__(self, name: str):
+    __slots__ = ("name", "block_size", "tiers", "tidx", "W", "kt", "em", "ex", "sz", "cnt", "pred", "torder")
+
+    def __init__(self, name: str, width: int):
         self.name = name
         self.block_size: int | None = None
-        # tier -> key -> pod mask; ``present`` is the union over tiers (the GPU dict itself
-        # while the model only uses one tier)
-        self.tiers: dict[str, dict[int, int]] = {}
-        self.present: dict[int, int] = {}
+        self.tiers: list[str] = []  # local tier index -> name, in order of appearance
+        self.tidx: dict[str, int] = {}
+        self.W = width  # mask words per tier: slots < 64 * W
+        self.kt = np.zeros((1024, 1), dtype=np.uint64)
+        self.em = np.zeros((1024, 3), dtype=np.uint64)
+        self.ex = np.zeros((64, 3), dtype=np.uint64)
+        self.sz = np.zeros(3, dtype=np.int64)
+        self.cnt = np.zeros((64 * width, 8), dtype=np.int64)
         self.pred: dict[int, int] = {}  # key -> mask of pods predicted to hold it
+        self.torder = np.zeros(0, dtype=np.int64)
 
-    def tier(self, name: str) -> dict[int, int]:
-        d = self.tiers.get(name)
-        if d is None:
-            d = self.tiers[name] = {}
-            if len(self.tiers) == 1:
-                self.present = d
-            else:
-                if len(self.tiers) == 2:  # split the union from the first tier's dict
-                    self.present = dict(self.present)
-        return d
+    @property
+    def T(self) -> int:
+        return len(self.tiers)
 
     @property
     def multi(self) -> bool:
         return len(self.tiers) > 1
 
+    def _relayout(self, T: int, W: int) -> None:
+        old, oT, oW = self.kt, self.T, self.W
+        new = np.zeros((old.shape[0], 1 + T * W), dtype=np.uint64)
+        new[:, 0] = old[:, 0]
+        for t in range(oT):
+            new[:, 1 + t * W: 1 + t * W + oW] = old[:, 1 + t * oW: 1 + (t + 1) * oW]
+        self.kt = new
+        if W != oW:
+            cnt = np.zeros((64 * W, 8), dtype=np.int64)
+            cnt[: self.cnt.shape[0]] = self.cnt
+            self.cnt = cnt
+            self.W = W
 
-# A kept ``BlockStored`` (for dump), a plain tuple because one is built per event:
-# (parent key or None, engine hashes, our keys, uint32-LE token bytes, lora_id, lora_name).
-# ``keys`` holds the very int objects the pod's ``engine hash -> key`` map points at, so a
-# block is still held by the pod exactly when ``emap.get(hash) is key``.
-_Rec = tuple
+    def tier(self, name: str, weights: dict[str, float]) -> int:
+        t = self.tidx.get(name)
+        if t is None:
+            if len(self.tiers) >= 8:
+                raise ValueError("a model can use at most 8 tiers")
+            self._relayout(self.T + 1, self.W)
+            t = self.tidx[name] = len(self.tiers)
+            self.tiers.append(name)
+            self.torder = np.array(sorted(range(len(self.tiers)), key=lambda i: -weights.get(self.tiers[i], 0.0)),
+                                   dtype=np.int64)
+        return t
+
+    def widen(self, slot: int) -> None:
+        if slot >= 64 * self.W:
+            self._relayout(self.T, slot // 64 + 1)
+
+    def held(self) -> dict[int, np.ndarray]:
+        """holder -> its (engine hash, key) rows, sorted."""
+        em = self.em
+        rows = em[em[:, 1] != 0]
+        if not len(rows):
+            return {}
+        rows = rows[np.lexsort((rows[:, 2], rows[:, 0], rows[:, 1]))]
+        holders = rows[:, 1]
+        cuts = np.flatnonzero(np.diff(holders)) + 1
+        out = {}
+        for part in np.split(rows, cuts):
+            out[int(part[0, 1]) - 1] = part[:, [0, 2]]
+        return out
 
 
-def _live_parts(rec: _Rec, emap_get, w: int) -> Sequence[_Rec]:
-    """The runs of ``rec``'s blocks the pod still holds, each as a kept event of its own."""
-    parent, hashes, keys, data, lora_id, lora_name = rec
-    live = list(map(is_, map(emap_get, hashes), keys))
-    if all(live):
-        return (rec,)
-    if True not in live:
-        return ()
-    n = len(live)
-    out = []
-    i = live.index(True)
-    while True:
-        try:
-            j = live.index(False, i)
-        except ValueError:
-            j = n
-        if i == 0:
-            out.append((parent, hashes[:j], keys[:j], data[:j * w], lora_id, lora_name))
-        else:
-            out.append((keys[i - 1], hashes[i:j], keys[i:j], data[i * w:j * w], None, None))
-        if j == n:
-            break
-        try:
-            i = live.index(True, j)
-        except ValueError:
-            break
-    return out
+class _Ops:
+    """Stored/removed events buffered for one kernel call (one model)."""
+
+    __slots__ = ("model", "kind", "holder", "pkind", "parent", "bs", "hoff", "toff", "hashes", "tokens")
+
+    def __init__(self):
+        self.model: _Model | None = None
+        self.kind: list[int] = []
+        self.holder: list[int] = []
+        self.pkind: list[int] = []
+        self.parent: list[int] = []
+        self.bs: list[int] = []
+        self.hoff: list[int] = [0]
+        self.toff: list[int] = [0]
+        self.hashes = array("Q")
+        self.tokens = array("I")
 
 
 class _Pod:
-    __slots__ = ("name", "slot", "bit", "model", "epoch", "seq", "last_event_ts", "last_seen", "emaps",
-                 "extra", "pred_exp", "exact", "recs", "rec_n")
+    __slots__ = ("name", "slot", "bit", "model", "epoch", "seq", "last_event_ts", "last_seen",
+                 "pred_exp", "exact")
 
     def __init__(self, name: str, slot: int):
         self.name = name
@@ -267,31 +278,21 @@ class _Pod:
         self.seq: int | None = None
         self.last_event_ts: float | None = None
         self.last_seen: float | None = None
-        self.emaps: dict[str, dict[int, int]] = {}  # tier -> engine hash -> key
-        self.extra: dict[str, dict[int, int]] = {}  # tier -> key -> extra references (aliases)
         self.pred_exp: dict[tuple[str, int], float] = {}  # (model, key) -> expiry
         self.exact = False  # has sent KV events
-        self.recs: dict[str, list[_Rec]] = {}  # tier -> kept stored events, oldest first (for dump)
-        self.rec_n: dict[str, int] = {}  # tier -> blocks in those events, held or not
 
-    def emap(self, tier: str) -> dict[int, int]:
-        d = self.emaps.get(tier)
-        if d is None:
-            d = self.emaps[tier] = {}
-        return d
 
-    def find_parent(self, parent: int, tier: str) -> int | None:
-        d = self.emaps.get(tier)
-        if d is not None:
-            k = d.get(parent)
-            if k is not None:
-                return k
-        for t, d in self.emaps.items():
-            if t != tier:
-                k = d.get(parent)
-                if k is not None:
-                    return k
-        return None
+def _hash_array(hashes) -> array:
+    if isinstance(hashes, array) and hashes.typecode == "Q":
+        return hashes
+    try:
+        return array("Q", hashes)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"block hashes must be integers in [0, 2**64): {exc}") from None
+
+
+_STAT_FIELDS = ("blocks_stored", "blocks_removed", "unknown_parent", "unknown_parent_blocks", "unknown_removed",
+                "duplicates", "aliases")
 
 
 # ------------------------------------------------------------------------------------ the fold
@@ -299,9 +300,6 @@ class _Pod:
 
 class KvIndex:
     """Which pod holds which KV blocks, per model and tier; see the module docstring."""
-
-    # kept events of a pod and tier are compacted past 2 x held blocks + this many
-    _compact_slack = 4096
 
     def __init__(self, clock: Clock, *, tier_weights: dict[str, float] | None = None,
                  predicted_ttl_s: float = 120.0, predict_on_route_ttl_s: float = 2.0,
@@ -327,11 +325,13 @@ class KvIndex:
         self._pods: dict[str, _Pod] = {}
         self._by_slot: dict[int, _Pod] = {}
         self._free_slots: list[int] = []
-        self._names_of: dict[int, tuple[str, ...]] = {}  # slot mask -> pod names (query output)
         self._next_slot = 0
         self._gone: dict[str, tuple[str, int, int, float]] = {}  # pod -> (model, epoch, seq, ts)
         self._pred_heap: list[tuple[float, int, str, str, list[int]]] = []
         self._pred_n = 0
+        self._ops = _Ops()
+        self._st: ApplyStats | None = None  # the stats of the apply in progress (for flushes)
+        self._allowed_cache: tuple[int, int, np.ndarray] | None = None
         self.totals = ApplyStats()
 
     # ------------------------------------------------------------------------- bookkeeping
@@ -339,7 +339,7 @@ class KvIndex:
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)
         if m is None:
-            m = self._models[name] = _Model(name)
+            m = self._models[name] = _Model(name, max(1, (self._next_slot + 63) // 64))
         return m
 
     def _pod(self, name: str) -> _Pod:
@@ -352,44 +352,66 @@ class KvIndex:
                 self._next_slot += 1
             p = self._pods[name] = _Pod(name, slot)
             self._by_slot[slot] = p
-            self._names_of.clear()
         return p
+
+    def _flush(self) -> None:
+        """Apply the buffered stored/removed events (one kernel call, growing tables as needed)."""
+        ops = self._ops
+        if not ops.kind:
+            return
+        m = ops.model
+        self._ops = _Ops()
+        self._ops.model = m
+        hoff = np.array(ops.hoff, dtype=np.int64)
+        hashes = np.frombuffer(ops.hashes, dtype=np.uint64) if len(ops.hashes) else np.zeros(0, np.uint64)
+        tokens = np.frombuffer(ops.tokens, dtype=np.uint32) if len(ops.tokens) else np.zeros(0, np.uint32)
+        args = (np.array(ops.kind, dtype=np.int8), np.array(ops.holder, dtype=np.int64),
+                np.array(ops.pkind, dtype=np.int8), np.array(ops.parent, dtype=np.uint64),
+                np.array(ops.bs, dtype=np.int64), hoff, hashes, np.array(ops.toff, dtype=np.int64), tokens)
+        stats = np.zeros(core.N_STATS, dtype=np.int64)
+        start = 0
+        while True:
+            start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, *args, start, stats)
+            if not need:
+                break
+            n = int(hoff[start + 1] - hoff[start])
+            if need & core.NEED_KT:
+                m.kt = core.grow_kt(m.kt, self._cap(m.kt.shape[0], int(m.sz[0]) + n))
+            if need & core.NEED_EM:
+                m.em = core.grow_pairs(m.em, self._cap(m.em.shape[0], int(m.sz[1]) + n))
+            if need & core.NEED_EX:
+                m.ex = core.grow_pairs(m.ex, self._cap(m.ex.shape[0], int(m.sz[2]) + n))
+        st = self._st
+        if st is not None:
+            for name, v in zip(_STAT_FIELDS, stats.tolist()):
+                if v:
+                    setattr(st, name, getattr(st, name) + v)
+
+    @staticmethod
+    def _cap(cap: int, rows: int) -> int:
+        cap *= 2
+        while rows > cap * core.LOAD:
+            cap *= 2
+        return cap
 
     def _clear_pod(self, pod: _Pod, tier: str | None = None) -> int:
         """Drop the pod's exact blocks (of one tier, or all); returns how many."""
+        self._flush()
         if pod.model is None:
             return 0
         m = self._models.get(pod.model)
-        n = 0
-        tiers = [tier] if tier is not None else list(pod.emaps)
-        nb = ~pod.bit
-        for t in tiers:
-            emap = pod.emaps.pop(t, None)
-            pod.extra.pop(t, None)
-            pod.recs.pop(t, None)
-            pod.rec_n.pop(t, None)
-            if not emap or m is None:
-                continue
-            n += len(emap)
-            tm = m.tiers.get(t, {})
-            keys = list(set(emap.values()))
-            new = list(map(and_, map(tm.get, keys, repeat(0)), repeat(nb)))
-            tm.update(zip(keys, new))
-            if 0 in new:
-                deque(map(tm.pop, compress(keys, map(not_, new)), repeat(None)), 0)
-            if m.multi:
-                for key in keys:
-                    self._recompute_present(m, key)
-        return n
-
-    def _recompute_present(self, m: _Model, key: int) -> None:
-        v = 0
-        for tm in m.tiers.values():
-            v |= tm.get(key, 0)
-        if v:
-            m.present[key] = v
+        if m is None or pod.slot >= 64 * m.W:
+            return 0
+        if tier is None:
+            t = -1
         else:
-            m.present.pop(key, None)
+            t = m.tidx.get(tier)
+            if t is None:
+                return 0
+        if not m.cnt[pod.slot].any():
+            return 0
+        m.kt, m.em, m.ex, n = core.clear_holder(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, pod.slot, t)
+        return int(n)
 
     def _clear_predictions(self, pod: _Pod) -> None:
         nb = ~pod.bit
@@ -406,22 +428,29 @@ class KvIndex:
 
     def remove_pod(self, pod: str) -> None:
         """Forget a pod entirely (exact blocks, predictions, sequence); frees its slot."""
-        p = self._pods.pop(pod, None)
+        p = self._pods.get(pod)
         if p is None:
             return
         self._clear_pod(p)
+        del self._pods[pod]
         self._clear_predictions(p)
         del self._by_slot[p.slot]
-        self._names_of.clear()
         heapq.heappush(self._free_slots, p.slot)
 
     # ------------------------------------------------------------------------------- apply
 
     def apply_many(self, batches: Iterable[KvEventBatch]) -> ApplyStats:
         st = ApplyStats()
-        ap = self._apply
-        for b in batches:
-            ap(b, st)
+        self._st = st
+        try:
+            ap = self._apply
+            for b in batches:
+                ap(b, st)
+            self._flush()
+        finally:
+            if self._ops.kind:  # an exception left events unapplied: drop them
+                self._ops = _Ops()
+            self._st = None
         self.totals += st
         return st
 
@@ -431,10 +460,7 @@ class KvIndex:
         ``token_ids`` of a ``BlockStored`` may be any sequence of ints; an ``array("I")`` is
         copied in C, so a snapshot loader can hand token bytes over without building lists.
         """
-        st = ApplyStats()
-        self._apply(batch, st)
-        self.totals += st
-        return st
+        return self.apply_many((batch,))
 
     def _apply(self, batch: KvEventBatch, st: ApplyStats) -> None:
         st.batches += 1
@@ -465,12 +491,31 @@ class KvIndex:
         pod.last_seen = self.clock.now()
         pod.exact = True
         m = self._model(batch.model)
+        if pod.slot >= 64 * m.W:
+            self._flush()
+            m.widen(pod.slot)
+        if self._ops.model is not m:
+            self._flush()
+            self._ops.model = m
         for ev in batch.events:
             st.events += 1
             if isinstance(ev, BlockStored):
                 self._stored(m, pod, ev, st)
             elif isinstance(ev, BlockRemoved):
-                self._removed(m, pod, ev, st)
+                t = m.tidx.get(ev.medium or PRIMARY_TIER)
+                if t is None:
+                    st.unknown_removed += len(ev.block_hashes)
+                    continue
+                ops = self._ops
+                ops.kind.append(core.OP_REMOVE)
+                ops.holder.append(pod.slot << core.TIER_BITS | t)
+                ops.pkind.append(0)
+                ops.parent.append(0)
+                ops.bs.append(0)
+                hs = ops.hashes
+                hs.extend(_hash_array(ev.block_hashes))
+                ops.hoff.append(len(hs))
+                ops.toff.append(len(ops.tokens))
             elif isinstance(ev, AllBlocksCleared):
                 st.cleared += 1
                 self._clear_pod(pod, None if ev.medium is None else ev.medium)
@@ -491,167 +536,56 @@ class KvIndex:
         elif bs != m.block_size:
             st.rejected += 1
             return
-        tier = ev.medium or PRIMARY_TIER
-        hashes = ev.block_hashes
+        hashes = _hash_array(ev.block_hashes)
         n = len(hashes)
-        lora_id = lora_name = None
-        if ev.parent_key is not None:  # an index dump names our parent key directly
-            parent = seed = ev.parent_key
-        elif ev.parent_block_hash is None:
-            parent = None
-            lora_id, lora_name = ev.lora_id, ev.lora_name
-            seed = 0 if lora_id is None and lora_name is None else \
-                root_seed(lora_id if lora_id is not None else lora_name)
-        else:
-            em = pod.emaps.get(tier)  # the parent is almost always in the same tier
-            parent = em.get(ev.parent_block_hash) if em is not None else None
-            if parent is None:
-                parent = pod.find_parent(ev.parent_block_hash, tier)
-            if parent is None:
-                st.unknown_parent += 1
-                st.unknown_parent_blocks += n
+        keys = getattr(ev, "block_keys", None)
+        if keys is not None:
+            kind, parent = core.KEYS_GIVEN, 0
+            karr = _hash_array(keys)
+            if len(karr) != n or 0 in karr:
+                st.rejected += 1
                 return
-            seed = parent
-        # hash (inlined: this is the hot path of ingest)
-        try:
-            arr = array("I", ev.token_ids)
-        except (OverflowError, TypeError) as exc:
-            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-        if not _LITTLE:
-            arr.byteswap()
-        data = arr.tobytes()
-        w = bs * 4
-        keys = []
-        ap = keys.append
-        h64 = xxh3_64_intdigest
-        for i in range(0, n * w, w):
-            seed = h64(data[i:i + w], seed)
-            ap(seed)
-        tm = m.tiers.get(tier)
-        if tm is None:
-            tm = m.tier(tier)
-        emap = pod.emaps.get(tier)
-        if emap is None:
-            emap = pod.emap(tier)
-        bit = pod.bit
-        st.blocks_stored += n
-        n0 = len(emap)
-        # insert hash -> key where the hash is new; ``got`` is what each hash maps to now
-        got = list(map(emap.setdefault, hashes, keys))
-        old = list(map(tm.get, keys, repeat(0)))
-        # fast when every engine hash is new for this pod and tier and no key is held by it yet
-        fast = len(emap) == n0 + n and not any(map(and_, old, repeat(bit)))
-        if fast:
-            tm.update(zip(keys, map(or_, old, repeat(bit))))
-            if m.present is not tm:
-                pres = m.present
-                pres.update(zip(keys, map(or_, map(pres.get, keys, repeat(0)), repeat(bit))))
-        if not fast:
-            # careful path (known hash, alias, the same hash twice): undo our inserts, go block by block
-            if len(emap) != n0:
-                for h, g, k in zip(hashes, got, keys):
-                    if g is k:
-                        del emap[h]
-            extra = pod.extra.setdefault(tier, {})
-            for h, k in zip(hashes, keys):
-                have = emap.get(h)
-                if have == k:
-                    st.duplicates += 1
-                elif have is not None:
-                    # the engine reused a hash for other content: the new content wins
-                    self._remove_one(m, pod, tier, h, st)
-                    self._add_one(m, pod, tier, h, k, extra, st)
-                else:
-                    self._add_one(m, pod, tier, h, k, extra, st)
-            if not extra:
-                pod.extra.pop(tier, None)
-        # keep the event for dump (references only); compact when dead blocks dominate
-        recs = pod.recs.get(tier)
-        if recs is None:
-            recs = pod.recs[tier] = []
-        recs.append((parent, hashes, keys, data, lora_id, lora_name))
-        rn = pod.rec_n.get(tier, 0) + n
-        if rn > 2 * len(emap) + self._compact_slack:
-            self._compact(m, pod, tier)
+            data = memoryview(karr).cast("B")
         else:
-            pod.rec_n[tier] = rn
-
-    def _compact(self, m: _Model, pod: _Pod, tier: str) -> None:
-        """Rewrite the pod's kept events of ``tier`` as the runs of blocks it still holds."""
-        eget = pod.emaps.get(tier, {}).get
-        w = (m.block_size or 0) * 4
-        out: list[tuple] = []
-        total = 0
-        for rec in pod.recs.get(tier, ()):
-            for part in _live_parts(rec, eget, w):
-                out.append(part)
-                total += len(part[1])
-        pod.recs[tier] = out
-        pod.rec_n[tier] = total
-
-    def _add_one(self, m: _Model, pod: _Pod, tier: str, h: int, k: int, extra: dict[int, int],
-                 st: ApplyStats) -> None:
-        tm = m.tiers[tier]
-        emap = pod.emaps[tier]
-        emap[h] = k
-        v = tm.get(k, 0)
-        if v & pod.bit:
-            extra[k] = extra.get(k, 0) + 1
-            st.aliases += 1
-            return
-        tm[k] = v | pod.bit
-        if m.present is not tm:
-            m.present[k] = m.present.get(k, 0) | pod.bit
-
-    def _remove_one(self, m: _Model, pod: _Pod, tier: str, h: int, st: ApplyStats) -> bool:
-        emap = pod.emaps.get(tier)
-        k = emap.pop(h, None) if emap else None
-        if k is None:
-            st.unknown_removed += 1
-            return False
-        st.blocks_removed += 1
-        extra = pod.extra.get(tier)
-        if extra:
-            c = extra.get(k)
-            if c:
-                if c == 1:
-                    del extra[k]
-                else:
-                    extra[k] = c - 1
-                return True
-        tm = m.tiers[tier]
-        v = tm.get(k, 0) & ~pod.bit
-        if v:
-            tm[k] = v
+            if ev.parent_key is not None:  # an index dump names our parent key directly
+                kind, parent = core.PARENT_KEY, ev.parent_key
+            elif ev.parent_block_hash is None:
+                lora_id, lora_name = ev.lora_id, ev.lora_name
+                kind = core.PARENT_ROOT
+                parent = 0 if lora_id is None and lora_name is None else \
+                    root_seed(lora_id if lora_id is not None else lora_name)
+            else:
+                kind, parent = core.PARENT_HASH, ev.parent_block_hash
+            toks = ev.token_ids
+            if isinstance(toks, array) and toks.typecode == "I":
+                tarr = toks
+            else:
+                try:
+                    tarr = array("I", toks)
+                except (OverflowError, TypeError) as exc:
+                    raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+            if len(tarr) != n * bs:
+                st.rejected += 1
+                return
+            data = None
+        if not 0 <= parent <= _U64:
+            raise ValueError("parent hash or key must be an integer in [0, 2**64)")
+        t = m.tier(ev.medium or PRIMARY_TIER, self.tier_weights)
+        ops = self._ops
+        ops.kind.append(core.OP_STORE)
+        ops.holder.append(pod.slot << core.TIER_BITS | t)
+        ops.pkind.append(kind)
+        ops.parent.append(parent)
+        ops.bs.append(bs)
+        hs = ops.hashes
+        hs.extend(hashes)
+        ops.hoff.append(len(hs))
+        tk = ops.tokens
+        if data is None:
+            tk.extend(tarr)
         else:
-            tm.pop(k, None)
-        if m.present is not tm:
-            self._recompute_present(m, k)
-        return True
-
-    def _removed(self, m: _Model, pod: _Pod, ev: BlockRemoved, st: ApplyStats) -> None:
-        tier = ev.medium or PRIMARY_TIER
-        emap = pod.emaps.get(tier)
-        hashes = ev.block_hashes
-        if not emap:
-            st.unknown_removed += len(hashes)
-            return
-        if pod.extra.get(tier) or m.multi:
-            for h in hashes:  # careful path: aliases or several tiers
-                self._remove_one(m, pod, tier, h, st)
-            return
-        # fast path (one tier, no aliases: each key is held under one hash): the dict work in C
-        keys = list(map(emap.pop, hashes, repeat(None)))
-        unknown = keys.count(None)
-        if unknown:
-            st.unknown_removed += unknown
-            keys = [k for k in keys if k is not None]
-        st.blocks_removed += len(keys)
-        tm = m.tiers[tier]
-        new = list(map(and_, map(tm.__getitem__, keys), repeat(~pod.bit)))
-        tm.update(zip(keys, new))
-        if 0 in new:  # no pod holds these any more
-            deque(map(tm.__delitem__, compress(keys, map(not_, new))), 0)
+            tk.frombytes(data)
+        ops.toff.append(len(tk))
 
     # ----------------------------------------------------------------------- predictions
 
@@ -676,6 +610,7 @@ class KvIndex:
             ttl_s = self.predict_on_route_ttl_s if p.exact else self.predicted_ttl_s
         exp = now + ttl_s
         m = self._model(model)
+        m.widen(p.slot)
         pred = m.pred
         bit = p.bit
         pred.update(zip(keys, map(or_, map(pred.get, keys, repeat(0)), repeat(bit))))
@@ -731,6 +666,21 @@ class KvIndex:
                     allowed &= ~p.bit
         return allowed
 
+    def _allowed_words(self, pods: Iterable[str] | None, W: int) -> np.ndarray:
+        if pods is None and self.pod_timeout_s is None:
+            c = self._allowed_cache
+            if c is not None and c[0] == self._next_slot and c[1] == W:
+                return c[2]
+            words = self._words((1 << self._next_slot) - 1, W)
+            self._allowed_cache = (self._next_slot, W, words)
+            return words
+        return self._words(self._allowed(pods), W)
+
+    @staticmethod
+    def _words(mask: int, W: int) -> np.ndarray:
+        mask &= (1 << (64 * W)) - 1
+        return np.frombuffer(mask.to_bytes(8 * W, "little"), dtype="<u8").astype(np.uint64)
+
     def match_tokens(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None = None,
                      *, lora: int | str | None = None) -> dict[str, PodMatch]:
         """Matched prefix per pod for a token sequence (hashed like the index keys).
@@ -738,10 +688,24 @@ class KvIndex:
         Without ``pods``: only pods that hold at least one leading block. With ``pods``:
         one entry for each of them (zeros when nothing matches).
         """
+        if pods is not None:
+            pods = list(pods)
         bs = self.block_size(model)
-        if bs is None or model not in self._models:
-            return self._empty(pods if pods is None else list(pods))
-        return self.match_keys(model, block_keys(token_ids, bs, lora=lora), pods)
+        m = self._models.get(model)
+        if bs is None or m is None:
+            return self._empty(pods)
+        if self._pred_heap:
+            self._expire(self.clock.now())
+        n = len(token_ids) // bs
+        if m.pred or not m.T or n == 0:
+            return self.match_keys(model, block_keys(token_ids, bs, lora=lora), pods)
+        toks = _token_array(token_ids[: n * bs] if len(token_ids) != n * bs else token_ids)
+        W = m.W
+        matched = np.zeros(64 * W, dtype=np.int64)
+        tiers = np.zeros((64 * W if m.multi else 0, m.T + 1), dtype=np.int64)
+        walked = core.query_tokens(m.kt, W, toks, bs, n, np.uint64(root_seed(lora)), self._allowed_words(pods, W), m.torder,
+                                   matched, tiers)
+        return self._results(m, walked, matched, tiers, pods)
 
     def _empty(self, pods: Iterable[str] | None) -> dict[str, PodMatch]:
         if pods is None:
@@ -757,109 +721,59 @@ class KvIndex:
         if pods is not None:
             pods = list(pods)
         m = self._models.get(model)
-        if m is None or not keys:
+        if m is None or not len(keys):
             return self._empty(pods)
         if self._pred_heap:
             self._expire(self.clock.now())
-        if pods is None and self.pod_timeout_s is None:
-            allowed = (1 << self._next_slot) - 1
-        else:
-            allowed = self._allowed(pods)
-        present = m.present
-        pred = m.pred
-        if pred:
-            vals = map(or_, map(present.get, keys, repeat(0)), map(pred.get, keys, repeat(0)))
-        else:
-            vals = map(present.get, keys, repeat(0))
-        acc = list(takewhile(bool, accumulate(vals, and_, initial=allowed)))
-        # acc[0] = allowed; acc[i] = pods holding blocks 0..i-1; non-increasing as integers,
-        # so each run of equal masks ends where bisection on the reversed list says
-        n = len(acc)
-        if n == 1:
+        if not m.T and not m.pred:
             return self._empty(pods)
-        rev = acc[::-1]
-        groups: list[tuple[int, int]] = []  # (pods that stop matching here, matched blocks)
-        j = 1
-        while j < n:
-            v = acc[j]
-            nxt = n - bisect_left(rev, v)  # first index after the run of v
-            lost = v & ~acc[nxt] if nxt < n else v
-            if lost:
-                groups.append((lost, nxt - 1))
-            j = nxt
-        out: dict[str, PodMatch] = {}
-        names_of = self._names_of
-        if not m.multi and not pred:
-            tier_name = next(iter(m.tiers), PRIMARY_TIER)
-            weight = self.tier_weights.get(tier_name, 1.0)
-            for mask, matched in groups:
-                names = names_of.get(mask)
-                if names is None:
-                    names = self._names(mask)
-                pm = _new_match((matched, matched * weight, {tier_name: matched}, 0))
-                if len(names) == 1:
-                    out[names[0]] = pm
-                else:
-                    out.update(zip(names, repeat(pm)))
+        try:
+            karr = np.frombuffer(array("Q", keys), dtype=np.uint64)
+        except (OverflowError, TypeError):
+            return self._empty(pods)  # not keys of ours: nothing can match
+        W = m.W
+        detail = m.multi or bool(m.pred)
+        if m.pred:
+            get = m.pred.get
+            full = (1 << (64 * W)) - 1
+            raw = b"".join((get(k, 0) & full).to_bytes(8 * W, "little") for k in karr.tolist())
+            pred = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(len(karr), W)
         else:
-            detail = self._detail(m, keys, n - 1)
+            pred = np.zeros((0, W), dtype=np.uint64)
+        matched = np.zeros(64 * W, dtype=np.int64)
+        tiers = np.zeros((64 * W if detail else 0, m.T + 1), dtype=np.int64)
+        walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), pred, m.torder, matched, tiers)
+        return self._results(m, walked, matched, tiers, pods)
+
+    def _results(self, m: _Model, walked: int, matched: np.ndarray, tiers: np.ndarray,
+                 pods: list[str] | None) -> dict[str, PodMatch]:
+        out: dict[str, PodMatch] = {}
+        if walked:
             by_slot = self._by_slot
-            for mask, matched in groups:
-                while mask:
-                    low = mask & -mask
-                    mask ^= low
-                    out[by_slot[low.bit_length() - 1].name] = self._tiered(detail, low, matched)
+            slots = np.flatnonzero(matched).tolist()
+            ml = matched[slots].tolist()
+            if not len(tiers):
+                tier_name = m.tiers[0]
+                weight = self.tier_weights.get(tier_name, 1.0)
+                shared: dict[int, PodMatch] = {}
+                for s, mb in zip(slots, ml):
+                    pm = shared.get(mb)
+                    if pm is None:
+                        pm = shared[mb] = _new_match((mb, mb * weight, {tier_name: mb}, 0))
+                    out[by_slot[s].name] = pm
+            else:
+                names = m.tiers
+                w = [self.tier_weights.get(t, 0.0) for t in names] + [self.predicted_weight]
+                T = len(names)
+                for s, mb, row in zip(slots, ml, tiers[slots].tolist()):
+                    score = sum(c * x for c, x in zip(row, w))
+                    td = {names[t]: row[t] for t in range(T) if row[t]}
+                    out[by_slot[s].name] = _new_match((mb, score, td, row[T]))
         if pods is not None:
             for name in pods:
                 if name not in out:
                     out[name] = _new_match((0, 0.0, {}, 0))
         return out
-
-    def _names(self, mask: int) -> tuple[str, ...]:
-        """Pod names of a slot mask (cached per mask until a pod joins or leaves)."""
-        names = []
-        by_slot = self._by_slot
-        v = mask
-        while v:
-            low = v & -v
-            v ^= low
-            names.append(by_slot[low.bit_length() - 1].name)
-        if len(self._names_of) > 4096:
-            self._names_of.clear()
-        t = self._names_of[mask] = tuple(names)
-        return t
-
-    def _detail(self, m: _Model, keys: Sequence[int], n: int) -> list[tuple[str | None, float, list[int]]]:
-        """Per category (tiers by weight, then predicted): mask of pods whose best holding it is."""
-        ks = keys[:n]
-        claimed = [0] * n
-        out = []
-        order = sorted(m.tiers, key=lambda t: -self.tier_weights.get(t, 0.0))
-        for t in order:
-            lt = list(map(m.tiers[t].get, ks, repeat(0)))
-            best = list(map(and_, lt, map(lambda c: ~c, claimed)))
-            claimed = list(map(or_, claimed, lt))
-            out.append((t, self.tier_weights.get(t, 0.0), best))
-        if m.pred:
-            lt = list(map(m.pred.get, ks, repeat(0)))
-            out.append((None, self.predicted_weight, list(map(and_, lt, map(lambda c: ~c, claimed)))))
-        return out
-
-    @staticmethod
-    def _tiered(detail, bit: int, matched: int) -> PodMatch:
-        tiers = {}
-        score = 0.0
-        predicted = 0
-        for t, w, best in detail:
-            c = sum(map(and_, islice(best, matched), repeat(bit))) // bit
-            if not c:
-                continue
-            score += c * w
-            if t is None:
-                predicted = c
-            else:
-                tiers[t] = c
-        return PodMatch(matched, score, tiers, predicted)
 
     def pods(self) -> dict[str, PodInfo]:
         now = self.clock.now()
@@ -869,44 +783,46 @@ class KvIndex:
         for name, p in self._pods.items():
             live = not (self.pod_timeout_s is not None and p.exact and p.last_seen is not None
                         and p.last_seen < now - self.pod_timeout_s)
+            blocks = {}
+            m = self._models.get(p.model) if p.model is not None else None
+            if m is not None and p.slot < 64 * m.W:
+                row = m.cnt[p.slot].tolist()
+                blocks = {t: row[i] for i, t in enumerate(m.tiers) if row[i]}
             out[name] = PodInfo(
-                pod=name, model=p.model, blocks={t: len(e) for t, e in p.emaps.items() if e},
+                pod=name, model=p.model, blocks=blocks,
                 predicted_blocks=len(p.pred_exp), epoch=p.epoch, seq=p.seq, last_event_ts=p.last_event_ts,
                 last_seen=p.last_seen, live=live)
         return out
 
     def models(self) -> dict[str, int]:
         """Model -> number of distinct blocks held by any pod."""
-        return {name: len(m.present) for name, m in self._models.items()}
+        return {name: int(m.sz[0]) for name, m in self._models.items()}
 
     def __len__(self) -> int:
-        return sum(len(m.present) for m in self._models.values())
+        return sum(int(m.sz[0]) for m in self._models.values())
 
     # ------------------------------------------------------------------------ dump / state
 
-    @staticmethod
-    def _held(pod: _Pod) -> dict[str, dict[int, list[int]]]:
-        """tier -> key -> the engine hashes (sorted) under which the pod holds it."""
-        out: dict[str, dict[int, list[int]]] = {}
-        for t, e in pod.emaps.items():
-            d: dict[int, list[int]] = {}
-            for h, k in e.items():
-                d.setdefault(k, []).append(h)
-            if d:
-                for v in d.values():
-                    v.sort()
-                out[t] = d
+    def _held(self) -> dict[str, dict[str, np.ndarray]]:
+        """pod -> tier -> its (engine hash, key) rows, sorted."""
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for m in self._models.values():
+            for holder, rows in m.held().items():
+                p = self._by_slot.get(holder >> core.TIER_BITS)
+                if p is None or p.model != m.name:
+                    continue
+                out.setdefault(p.name, {})[m.tiers[holder & 7]] = rows
         return out
 
     def state(self) -> dict:
         """A canonical, comparable picture of the exact state (predictions and clocks left out)."""
+        held = self._held()
         pods = {}
         for name, p in self._pods.items():
             if not p.exact:
                 continue
-            held = self._held(p)
-            pods[name] = (p.model, p.epoch, p.seq, p.last_event_ts,
-                          {t: sorted((h, k) for k, hs in d.items() for h in hs) for t, d in held.items()})
+            tiers = {t: [tuple(r) for r in rows.tolist()] for t, rows in held.get(name, {}).items()}
+            pods[name] = (p.model, p.epoch, p.seq, p.last_event_ts, tiers)
         return {"pods": pods, "gone": dict(self._gone)}
 
     def fingerprint(self) -> str:
@@ -927,34 +843,26 @@ class KvIndex:
     def dump(self) -> list[KvEventBatch]:
         """The exact state as events: ``KvIndex(clock).apply_many(index.dump())`` restores it.
 
-        Per pod and tier, every run of blocks still held out of one kept stored event becomes
-        one ``BlockStored`` carrying ``parent_key`` (our key of the run's parent), so replaying
-        needs no parent lookups and blocks whose parent is gone survive. Each held
-        ``engine hash -> key`` pair is written exactly once.
+        Per pod and tier, the held ``engine hash -> key`` pairs are written once each, in
+        ``BlockStored`` events of up to 4096 blocks that carry our keys (``block_keys``) and no
+        token ids: replaying needs no parent lookups and no hashing, and blocks whose parent
+        the pod no longer holds survive.
         """
         out: list[KvEventBatch] = []
+        held = self._held()
         for name, p in list(self._pods.items()):
             if not p.exact or p.model is None:
                 continue
-            m = self._models[p.model]
-            bs = m.block_size
-            w = (bs or 0) * 4
+            bs = self._models[p.model].block_size or 1
             events = []
-            for t, e in list(p.emaps.items()):
-                if not e:
-                    continue
+            for t, rows in sorted(held.get(name, {}).items()):  # tiers in a canonical order
                 medium = None if t == PRIMARY_TIER else t
-                eget = e.get
-                for rec in p.recs.get(t, ()):
-                    for parent, hashes, _, data, lora_id, lora_name in _live_parts(rec, eget, w):
-                        toks = array("I")
-                        toks.frombytes(data)
-                        if not _LITTLE:
-                            toks.byteswap()
-                        events.append(BlockStored.model_construct(
-                            type="stored", block_hashes=list(hashes), parent_block_hash=None,
-                            token_ids=toks.tolist(), block_size=bs, lora_id=lora_id, lora_name=lora_name,
-                            medium=medium, parent_key=parent))
+                for i in range(0, len(rows), _DUMP_CHUNK):
+                    part = rows[i:i + _DUMP_CHUNK]
+                    events.append(BlockStored.model_construct(
+                        type="stored", block_hashes=part[:, 0].tolist(), parent_block_hash=None, token_ids=[],
+                        block_size=bs, lora_id=None, lora_name=None, medium=medium, parent_key=None,
+                        block_keys=part[:, 1].tolist()))
             out.append(KvEventBatch.model_construct(
                 schema_version=1, pod=name, model=p.model, dp_rank=0, epoch=p.epoch or 0, seq=p.seq or 0,
                 ts=p.last_event_ts or 0.0, events=events))

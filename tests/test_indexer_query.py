@@ -90,8 +90,7 @@ def test_record_route_and_snapshot_codec(setup):
 
 
 def test_snapshot_of_several_tiers_pods_and_block_sizes_round_trips():
-    """Format 3 packs hashes and token rows; tokens shared by pods (and by blocks with other
-    parents) are stored once, per block size."""
+    """Format 4 packs engine hashes and our keys; no token ids are stored."""
     import msgpack
 
     idx = KvIndex(ManualClock())
@@ -106,7 +105,10 @@ def test_snapshot_of_several_tiers_pods_and_block_sizes_round_trips():
         BlockStored(block_hashes=[21], token_ids=[(1 << 32) - 1, 0], block_size=2)]))
     data = encode_snapshot(idx, 9, 1.5)
     doc = msgpack.unpackb(data, strict_map_key=False)
-    assert doc["format"] == 3 and len(doc["tokens"][BS]) == BS * 4  # one distinct 4-token block
+    assert doc["format"] == 4 and "tokens" not in doc
+    stored = [r for b in doc["batches"] for r in b[5]]
+    assert all(r[0] == "k" and len(r[1]) == len(r[2]) and len(r[1]) % 8 == 0 for r in stored)
+    assert sum(len(r[1]) // 8 for r in stored) == 3 + 1 + 2 + 1  # every held block once
     seq, created, batches = decode_snapshot(data)
     restored = KvIndex(ManualClock())
     restored.apply_many(batches)
@@ -115,18 +117,15 @@ def test_snapshot_of_several_tiers_pods_and_block_sizes_round_trips():
     assert restored.match_tokens("n", [(1 << 32) - 1, 0])["r"].matched_blocks == 1
 
 
-def test_format_2_snapshots_are_still_read(setup):
+def test_snapshots_of_the_old_key_scheme_are_refused(setup):
+    """Formats 2 and 3 keyed blocks with xxh3: their parent keys would not chain with today's
+    keys, so they are refused and the service replays the stream instead."""
     import msgpack
 
-    idx, _, _, ids, n = setup
-    keys = block_keys(ids[: n * BS], BS)
-    raw = [b"".join(t.to_bytes(4, "little") for t in ids[i * BS:(i + 1) * BS]) for i in range(n)]
-    doc = {"format": 2, "stream_seq": 3, "created": 4.0, "tokens": dict(zip(keys, raw)),
-           "batches": [["p", "m", 0, 0, 1.0, [["s", list(range(1, n + 1)), None, keys, BS, None, None, None]]]]}
-    seq, _, batches = decode_snapshot(msgpack.packb(doc))
-    restored = KvIndex(ManualClock())
-    restored.apply_many(batches)
-    assert seq == 3 and restored == idx
+    for fmt in (2, 3):
+        doc = {"format": fmt, "stream_seq": 3, "created": 4.0, "tokens": {}, "batches": []}
+        with pytest.raises(ValueError, match=f"format {fmt}"):
+            decode_snapshot(msgpack.packb(doc))
 
 
 def test_fast_decoder_agrees_with_the_schema():

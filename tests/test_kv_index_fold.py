@@ -456,13 +456,15 @@ def test_removal_of_shared_and_exclusive_blocks(idx):
     assert len(idx) == 2  # block 3 left the index entirely
 
 
-def test_kept_events_are_compacted_and_dump_stays_exact():
-    """Thousands of stored-then-evicted blocks: the kept events shrink, dump still restores."""
+def test_tables_shrink_with_evictions_and_dump_stays_exact():
+    """Thousands of stored-then-evicted blocks (tables grow and rows are deleted): the index
+    holds exactly the live blocks afterwards, and dump still restores it."""
     idx = KvIndex(ManualClock())
     f = Feed(idx)
     f("a", stored([1, 2], [1, 2]))  # a prefix kept throughout
     rng = random.Random(7)
     live: list[list[int]] = []
+    kept_tails = 0
     h = 100
     for i in range(1500):
         hashes = list(range(h, h + 8))
@@ -472,11 +474,13 @@ def test_kept_events_are_compacted_and_dump_stays_exact():
         live.append(hashes)
         if len(live) > 20:  # evict an old chain, sometimes only its tail (a partly held event)
             old = live.pop(rng.randrange(len(live) - 5))
-            f("a", BlockRemoved(block_hashes=old[rng.choice([0, 3]):]))
-    pod = idx._pods["a"]
-    held = sum(len(e) for e in pod.emaps.values())
-    kept = sum(len(r[1]) for r in pod.recs["GPU"])
-    assert kept <= 2 * held + 4096 < 1500 * 8  # compacted: far fewer than were stored
+            cut = rng.choice([0, 3])
+            kept_tails += cut
+            f("a", BlockRemoved(block_hashes=old[cut:]))
+    held = 2 + 8 * len(live) + kept_tails
+    assert idx.pods()["a"].blocks == {"GPU": held}
+    assert len(idx) == held  # random tokens: every held block is a distinct key
+    assert idx.totals.blocks_removed == 2 + 1500 * 8 - held
     restored = KvIndex(ManualClock())
     restored.apply_many(idx.dump())
     assert restored == idx

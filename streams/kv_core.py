@@ -1,0 +1,582 @@
+"""The KV index's compiled core: open-addressing tables in numpy arrays, worked by numba.
+
+Pure functions over arrays (no I/O, no clock): :mod:`streams.kv_index` owns the arrays and
+the semantics around them (epochs, predictions, dump); this module holds the per-block work,
+which in Python dicts cost ~2.6 us per stored-then-removed block, mostly cache misses on
+boxed ints. Here a block is a few probes into flat rows of ``uint64``.
+
+Our block key
+    ``key[i] = chain(seed=key[i-1], tokens of block i)``: each pair of uint32 token ids is one
+    64-bit word folded in by multiply-xor-rotate, finished by murmur3's 64-bit mixer. Keys are
+    never 0 (0 marks an empty row). The same function serves ingest and queries, so the router
+    and the indexer always agree; it does not depend on how an engine hashes.
+
+Tables (rows of ``uint64``; capacity a power of two, linear probing, backward-shift deletes)
+    ``kt``  key table, one row per distinct key of the model: ``[key, mask words...]`` with
+            ``T * W`` mask words (tier-major: ``1 + tier * W + slot // 64``), bit ``slot % 64``.
+    ``em``  engine map, one row per (pod slot, tier, engine hash): ``[hash, holder + 1, key]``
+            with ``holder = slot * 8 + tier``; resolves parents and removals.
+    ``ex``  extra references, ``[key, holder + 1, count]``: the same key held by one pod and
+            tier under more than one engine hash (aliases), so a removal keeps the bit.
+    ``sz``  row counts ``[kt, em, ex]``; ``cnt[slot, tier]`` engine hashes held.
+
+Operations arrive as flat arrays (one row per stored/removed event, hashes and tokens
+concatenated) so one call applies a whole chunk of batches in order. A call stops before an
+operation that could overflow a table and says which; the caller grows it and calls again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+U64 = np.uint64
+LOAD = 0.6  # grow a table before it would pass this load factor
+TIER_BITS = 3  # holder = slot << 3 | tier (a model has at most 5 tiers)
+
+# operation kinds and parent kinds
+OP_STORE, OP_REMOVE = 0, 1
+PARENT_ROOT, PARENT_HASH, PARENT_KEY, KEYS_GIVEN = 0, 1, 2, 3
+
+# stats slots
+S_STORED, S_REMOVED, S_UNKNOWN_PARENT, S_UNKNOWN_PARENT_BLOCKS, S_UNKNOWN_REMOVED, S_DUPLICATES, \
+    S_ALIASES = range(7)
+N_STATS = 7
+
+# need flags (what to grow before the operation that did not fit)
+NEED_KT, NEED_EM, NEED_EX = 1, 2, 4
+
+_M1 = U64(0x9E3779B97F4A7C15)
+_M2 = U64(0xC2B2AE3D27D4EB4F)
+_M3 = U64(0x165667B19E3779F9)
+_F1 = U64(0xFF51AFD7ED558CCD)
+_F2 = U64(0xC4CEB9FE1A85EC53)
+
+
+@njit(inline="always", cache=True)
+def _fmix(h):
+    h ^= h >> U64(33)
+    h *= _F1
+    h ^= h >> U64(33)
+    h *= _F2
+    h ^= h >> U64(33)
+    return h
+
+
+@njit(inline="always", cache=True)
+def _hash_block(tokens, start, bs, seed):
+    h = seed ^ (U64(bs) * _M1)
+    j = 0
+    while j + 1 < bs:
+        w = U64(tokens[start + j]) | (U64(tokens[start + j + 1]) << U64(32))
+        h ^= w * _M2
+        h = ((h << U64(29)) | (h >> U64(35))) * _M1
+        j += 2
+    if j < bs:
+        h ^= U64(tokens[start + j]) * _M2
+        h = ((h << U64(29)) | (h >> U64(35))) * _M1
+    h = _fmix(h ^ U64(bs))
+    if h == U64(0):
+        h = U64(1)
+    return h
+
+
+@njit(cache=True)
+def chain_keys(tokens, bs, n, seed):
+    """Keys of the first ``n`` full blocks of ``tokens`` (uint32), chained from ``seed``."""
+    out = np.empty(n, dtype=np.uint64)
+    s = U64(seed)
+    for i in range(n):
+        s = _hash_block(tokens, i * bs, bs, s)
+        out[i] = s
+    return out
+
+
+# ------------------------------------------------------------------------------ key table
+
+
+@njit(inline="always", cache=True)
+def _kt_find(kt, key):
+    mask = kt.shape[0] - 1
+    i = np.int64(key & U64(mask))
+    while True:
+        k = kt[i, 0]
+        if k == key:
+            return i
+        if k == U64(0):
+            return -1
+        i = (i + 1) & mask
+
+
+@njit(inline="always", cache=True)
+def _kt_find_or_insert(kt, sz, key):
+    mask = kt.shape[0] - 1
+    i = np.int64(key & U64(mask))
+    while True:
+        k = kt[i, 0]
+        if k == key:
+            return i
+        if k == U64(0):
+            kt[i, 0] = key
+            sz[0] += 1
+            return i
+        i = (i + 1) & mask
+
+
+@njit(cache=True)
+def _kt_delete(kt, sz, i):
+    mask = kt.shape[0] - 1
+    cols = kt.shape[1]
+    j = i
+    while True:
+        j = (j + 1) & mask
+        k = kt[j, 0]
+        if k == U64(0):
+            break
+        home = np.int64(k & U64(mask))
+        # the row at j may move to the hole at i unless its home lies cyclically in (i, j]
+        if i <= j:
+            if i < home <= j:
+                continue
+        elif home > i or home <= j:
+            continue
+        for c in range(cols):
+            kt[i, c] = kt[j, c]
+        i = j
+    for c in range(cols):
+        kt[i, c] = U64(0)
+    sz[0] -= 1
+
+
+# ----------------------------------------------------------------- pair tables (em, ex)
+
+
+@njit(inline="always", cache=True)
+def _p_home(a, b, mask):
+    return np.int64(_fmix(a ^ (b * _M3)) & U64(mask))
+
+
+@njit(inline="always", cache=True)
+def _p_find(t, a, b):
+    mask = t.shape[0] - 1
+    i = _p_home(a, b, mask)
+    while True:
+        tb = t[i, 1]
+        if tb == U64(0):
+            return -1
+        if tb == b and t[i, 0] == a:
+            return i
+        i = (i + 1) & mask
+
+
+@njit(inline="always", cache=True)
+def _p_insert(t, sz, which, a, b, v):
+    """Insert (a, b) -> v; the pair must not be present."""
+    mask = t.shape[0] - 1
+    i = _p_home(a, b, mask)
+    while t[i, 1] != U64(0):
+        i = (i + 1) & mask
+    t[i, 0] = a
+    t[i, 1] = b
+    t[i, 2] = v
+    sz[which] += 1
+    return i
+
+
+@njit(cache=True)
+def _p_delete(t, sz, which, i):
+    mask = t.shape[0] - 1
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if t[j, 1] == U64(0):
+            break
+        home = _p_home(t[j, 0], t[j, 1], mask)
+        if i <= j:
+            if i < home <= j:
+                continue
+        elif home > i or home <= j:
+            continue
+        t[i, 0] = t[j, 0]
+        t[i, 1] = t[j, 1]
+        t[i, 2] = t[j, 2]
+        i = j
+    t[i, 0] = U64(0)
+    t[i, 1] = U64(0)
+    t[i, 2] = U64(0)
+    sz[which] -= 1
+
+
+# ------------------------------------------------------------------------------ growing
+
+
+@njit(cache=True)
+def grow_kt(kt, new_cap):
+    out = np.zeros((new_cap, kt.shape[1]), dtype=np.uint64)
+    mask = new_cap - 1
+    cols = kt.shape[1]
+    for r in range(kt.shape[0]):
+        k = kt[r, 0]
+        if k == U64(0):
+            continue
+        i = np.int64(k & U64(mask))
+        while out[i, 0] != U64(0):
+            i = (i + 1) & mask
+        for c in range(cols):
+            out[i, c] = kt[r, c]
+    return out
+
+
+@njit(cache=True)
+def grow_pairs(t, new_cap):
+    out = np.zeros((new_cap, 3), dtype=np.uint64)
+    mask = new_cap - 1
+    for r in range(t.shape[0]):
+        if t[r, 1] == U64(0):
+            continue
+        i = _p_home(t[r, 0], t[r, 1], mask)
+        while out[i, 1] != U64(0):
+            i = (i + 1) & mask
+        out[i, 0] = t[r, 0]
+        out[i, 1] = t[r, 1]
+        out[i, 2] = t[r, 2]
+    return out
+
+
+# ------------------------------------------------------------------------- apply a chunk
+
+
+@njit(inline="always", cache=True)
+def _add_one(kt, em, ex, sz, cnt, W, holder, h, k, stats):
+    b = U64(holder + 1)
+    _p_insert(em, sz, 1, h, b, k)
+    slot = holder >> TIER_BITS
+    tier = holder & 7
+    cnt[slot, tier] += 1
+    ki = _kt_find_or_insert(kt, sz, k)
+    col = 1 + tier * W + (slot >> 6)
+    bit = U64(1) << U64(slot & 63)
+    if kt[ki, col] & bit:
+        x = _p_find(ex, k, b)
+        if x >= 0:
+            ex[x, 2] += U64(1)
+        else:
+            _p_insert(ex, sz, 2, k, b, U64(1))
+        stats[S_ALIASES] += 1
+    else:
+        kt[ki, col] |= bit
+
+
+@njit(inline="always", cache=True)
+def _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats):
+    k = em[e, 2]
+    b = em[e, 1]
+    _p_delete(em, sz, 1, e)
+    slot = holder >> TIER_BITS
+    tier = holder & 7
+    cnt[slot, tier] -= 1
+    stats[S_REMOVED] += 1
+    if sz[2] > 0:
+        x = _p_find(ex, k, b)
+        if x >= 0:
+            if ex[x, 2] > U64(1):
+                ex[x, 2] -= U64(1)
+            else:
+                _p_delete(ex, sz, 2, x)
+            return
+    ki = _kt_find(kt, k)
+    if ki < 0:
+        return  # cannot happen while the tables agree
+    col = 1 + tier * W + (slot >> 6)
+    kt[ki, col] &= ~(U64(1) << U64(slot & 63))
+    for c in range(1, kt.shape[1]):
+        if kt[ki, c] != U64(0):
+            return
+    _kt_delete(kt, sz, ki)
+
+
+@njit(cache=True)
+def apply_ops(kt, em, ex, sz, cnt, W, op_kind, op_holder, op_pkind, op_parent, op_bs,
+              hoff, hashes, toff, tokens, start, stats):
+    """Apply operations ``start..`` in order. Returns ``(next op, need flags)``; need is 0 when
+    every operation was applied, else the tables to grow before calling again from ``next``.
+
+    Each operation first touches the table rows its blocks will probe, in a loop of
+    independent loads, so their cache misses overlap instead of being paid one by one."""
+    kt_lim = np.int64(kt.shape[0] * LOAD)
+    em_lim = np.int64(em.shape[0] * LOAD)
+    ex_lim = np.int64(ex.shape[0] * LOAD)
+    em_mask = em.shape[0] - 1
+    kt_mask = kt.shape[0] - 1
+    m = op_kind.shape[0]
+    longest = 0
+    for o in range(start, m):
+        longest = max(longest, hoff[o + 1] - hoff[o])
+    keys = np.empty(longest, dtype=np.uint64)
+    sink = U64(0)
+    for o in range(start, m):
+        holder = op_holder[o]
+        b = U64(holder + 1)
+        h0 = hoff[o]
+        n = hoff[o + 1] - h0
+        if op_kind[o] == OP_REMOVE:
+            for i in range(n):
+                sink ^= em[_p_home(hashes[h0 + i], b, em_mask), 1]
+            for i in range(n):
+                e = _p_find(em, hashes[h0 + i], b)
+                k = em[e, 2] if e >= 0 else U64(0)
+                keys[i] = k
+                sink ^= kt[np.int64(k & U64(kt_mask)), 0]
+            for i in range(n):
+                e = _p_find(em, hashes[h0 + i], b)
+                if e < 0:
+                    stats[S_UNKNOWN_REMOVED] += 1
+                else:
+                    _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats)
+            continue
+        need = 0
+        if sz[0] + n > kt_lim:
+            need |= NEED_KT
+        if sz[1] + n > em_lim:
+            need |= NEED_EM
+        if sz[2] + n > ex_lim:
+            need |= NEED_EX
+        if need:
+            return o, need
+        pk = op_pkind[o]
+        seed = op_parent[o]
+        if pk == PARENT_HASH:
+            # the parent is almost always in the same tier; else any tier of the pod
+            e = _p_find(em, seed, b)
+            if e < 0:
+                base = (holder >> TIER_BITS) << TIER_BITS
+                for t in range(8):
+                    if base + t != holder:
+                        e = _p_find(em, seed, U64(base + t + 1))
+                        if e >= 0:
+                            break
+            if e < 0:
+                stats[S_UNKNOWN_PARENT] += 1
+                stats[S_UNKNOWN_PARENT_BLOCKS] += n
+                continue
+            seed = em[e, 2]
+        stats[S_STORED] += n
+        bs = op_bs[o]
+        t0 = toff[o]
+        for i in range(n):
+            if pk == KEYS_GIVEN:
+                k = tokens_key(tokens, t0, i)
+            else:
+                k = _hash_block(tokens, t0 + i * bs, bs, seed)
+                seed = k
+            keys[i] = k
+            sink ^= kt[np.int64(k & U64(kt_mask)), 0] ^ em[_p_home(hashes[h0 + i], b, em_mask), 1]
+        for i in range(n):
+            k = keys[i]
+            h = hashes[h0 + i]
+            e = _p_find(em, h, b)
+            if e >= 0:
+                if em[e, 2] == k:
+                    stats[S_DUPLICATES] += 1
+                    continue
+                # the engine reused a hash for other content: the new content wins
+                _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats)
+            _add_one(kt, em, ex, sz, cnt, W, holder, h, k, stats)
+    if sink == U64(0x5EED):  # keeps the touching loads from being optimised away
+        stats[S_STORED] += 0
+    return m, 0
+
+
+@njit(inline="always", cache=True)
+def tokens_key(tokens, t0, i):
+    """A key handed over in the token array (two uint32 words, little end first)."""
+    return U64(tokens[t0 + 2 * i]) | (U64(tokens[t0 + 2 * i + 1]) << U64(32))
+
+
+# ----------------------------------------------------------------------------- clearing
+
+
+@njit(cache=True)
+def clear_holder(kt, em, ex, sz, cnt, W, slot, tier):
+    """Drop everything ``slot`` holds in ``tier`` (or every tier when ``tier < 0``).
+    Returns the new ``(kt, em, ex)`` (rebuilt at the same capacity) and the hashes dropped."""
+    T = (kt.shape[1] - 1) // W
+    dropped = 0
+    # engine map
+    em2 = np.zeros_like(em)
+    mask = em.shape[0] - 1
+    n_em = 0
+    for r in range(em.shape[0]):
+        b = em[r, 1]
+        if b == U64(0):
+            continue
+        holder = np.int64(b) - 1
+        if (holder >> TIER_BITS) == slot and (tier < 0 or (holder & 7) == tier):
+            dropped += 1
+            continue
+        i = _p_home(em[r, 0], b, mask)
+        while em2[i, 1] != U64(0):
+            i = (i + 1) & mask
+        em2[i, 0] = em[r, 0]
+        em2[i, 1] = b
+        em2[i, 2] = em[r, 2]
+        n_em += 1
+    # extra references
+    ex2 = np.zeros_like(ex)
+    mask = ex.shape[0] - 1
+    n_ex = 0
+    for r in range(ex.shape[0]):
+        b = ex[r, 1]
+        if b == U64(0):
+            continue
+        holder = np.int64(b) - 1
+        if (holder >> TIER_BITS) == slot and (tier < 0 or (holder & 7) == tier):
+            continue
+        i = _p_home(ex[r, 0], b, mask)
+        while ex2[i, 1] != U64(0):
+            i = (i + 1) & mask
+        ex2[i, 0] = ex[r, 0]
+        ex2[i, 1] = b
+        ex2[i, 2] = ex[r, 2]
+        n_ex += 1
+    # key table: clear the slot's bit in the tier(s), drop rows nobody holds
+    kt2 = np.zeros_like(kt)
+    mask = kt.shape[0] - 1
+    cols = kt.shape[1]
+    w = slot >> 6
+    nbit = ~(U64(1) << U64(slot & 63))
+    n_kt = 0
+    for r in range(kt.shape[0]):
+        k = kt[r, 0]
+        if k == U64(0):
+            continue
+        for t in range(T):
+            if tier < 0 or t == tier:
+                kt[r, 1 + t * W + w] &= nbit
+        anyb = False
+        for c in range(1, cols):
+            if kt[r, c] != U64(0):
+                anyb = True
+                break
+        if not anyb:
+            continue
+        i = np.int64(k & U64(mask))
+        while kt2[i, 0] != U64(0):
+            i = (i + 1) & mask
+        for c in range(cols):
+            kt2[i, c] = kt[r, c]
+        n_kt += 1
+    for t in range(8):
+        if tier < 0 or t == tier:
+            cnt[slot, t] = 0
+    sz[0] = n_kt
+    sz[1] = n_em
+    sz[2] = n_ex
+    return kt2, em2, ex2, dropped
+
+
+# ------------------------------------------------------------------------------- queries
+
+
+@njit(inline="always", cache=True)
+def _ctz(low):
+    """Index of the one set bit of ``low``."""
+    b = 0
+    if low >= U64(1 << 32):
+        low >>= U64(32)
+        b += 32
+    if low >= U64(1 << 16):
+        low >>= U64(16)
+        b += 16
+    if low >= U64(1 << 8):
+        low >>= U64(8)
+        b += 8
+    if low >= U64(1 << 4):
+        low >>= U64(4)
+        b += 4
+    if low >= U64(1 << 2):
+        low >>= U64(2)
+        b += 2
+    if low >= U64(2):
+        b += 1
+    return b
+
+
+@njit(cache=True)
+def query(kt, W, keys, allowed, pred, torder, matched, tiers):
+    """Walk ``keys`` while some allowed pod holds every block so far (exact in any tier, or
+    predicted when ``pred`` has a row per key). ``matched[slot]`` gets the pod's matched
+    prefix length. With ``tiers`` of shape (slots, T + 1) (multi-tier or predictions), each
+    matched block is also counted under the best category that holds it for that pod:
+    tiers in ``torder``, then predicted (column T). Returns the length walked."""
+    T = (kt.shape[1] - 1) // W
+    n = keys.shape[0]
+    run = allowed.copy()
+    new = np.empty(W, dtype=np.uint64)
+    use_pred = pred.shape[0] > 0
+    detail = tiers.shape[0] > 0
+    # touch every key's home row first: independent loads, so the cache misses overlap
+    kt_mask = kt.shape[0] - 1
+    sink = U64(0)
+    for j in range(n):
+        sink ^= kt[np.int64(keys[j] & U64(kt_mask)), 0]
+    if sink == U64(0x5EED):
+        n += 0
+    i = 0
+    while i < n:
+        ki = _kt_find(kt, keys[i])
+        anyb = False
+        for w in range(W):
+            v = U64(0)
+            if ki >= 0:
+                for t in range(T):
+                    v |= kt[ki, 1 + t * W + w]
+            if use_pred:
+                v |= pred[i, w]
+            v &= run[w]
+            new[w] = v
+            if v != U64(0):
+                anyb = True
+        if not anyb:
+            break
+        for w in range(W):
+            lost = run[w] & ~new[w]
+            while lost != U64(0):
+                low = lost & (~lost + U64(1))
+                b = _ctz(low)
+                matched[w * 64 + b] = i
+                lost ^= low
+            run[w] = new[w]
+        if detail:
+            for w in range(W):
+                v = run[w]
+                while v != U64(0):
+                    low = v & (~v + U64(1))
+                    b = _ctz(low)
+                    s = w * 64 + b
+                    cat = T
+                    if ki >= 0:
+                        for j in range(T):
+                            t = torder[j]
+                            if kt[ki, 1 + t * W + w] & low:
+                                cat = t
+                                break
+                    tiers[s, cat] += 1
+                    v ^= low
+        i += 1
+    for w in range(W):
+        v = run[w]
+        while v != U64(0):
+            low = v & (~v + U64(1))
+            b = _ctz(low)
+            matched[w * 64 + b] = i
+            v ^= low
+    return i
+
+
+@njit(cache=True)
+def query_tokens(kt, W, tokens, bs, n, seed, allowed, torder, matched, tiers):
+    """:func:`query` over the chained keys of ``tokens``, hashed as the walk goes (no pred)."""
+    keys = chain_keys(tokens, bs, n, seed)
+    pred = np.zeros((0, W), dtype=np.uint64)
+    return query(kt, W, keys, allowed, pred, torder, matched, tiers)
