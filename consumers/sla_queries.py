@@ -385,8 +385,10 @@ def refresh_minutes(store: SlaStore, since: float, until: float, *, targets: Sla
                     version: int | None = None) -> None:
     """Recompute the per-minute rollup of every minute touching ``[since, until]`` from the
     deduplicated records (``FINAL``); a newer ``version`` replaces the older row of a minute, so
-    refreshing again after late or redelivered records is exact. ``attained`` counts requests
-    within ``targets`` as they are now; latencies are kept as log-bucket histograms."""
+    refreshing again after late or redelivered records is exact. The version is ``version`` (default:
+    now in microseconds) or one above the highest stored, whichever is larger, so the latest refresh
+    wins even if the clock went back (e.g. between a crashed sink and its restart). ``attained``
+    counts requests within ``targets`` as they are now; latencies are kept as log-bucket histograms."""
     params: dict[str, Any] = _targets(targets)
     params.update({"since": float(since), "until": float(until),
                    "version": int(version if version is not None else time.time() * 1e6)})
@@ -398,7 +400,9 @@ def refresh_minutes(store: SlaStore, since: float, until: float, *, targets: Sla
             cached_tokens, ttft_sum, ttft_n, itl_sum, itl_n,
             ttft_h.1, ttft_h.2, itl_h.1, itl_h.2, e2e_h.1, e2e_h.2
         FROM (
-            SELECT pool, role, toStartOfMinute(ts) AS minute, {{version:UInt64}} AS version,
+            SELECT pool, role, toStartOfMinute(ts) AS minute,
+                greatest({{version:UInt64}},
+                         (SELECT max(version) + 1 FROM {store.database}.request_minutes)) AS version,
                 count() AS requests,
                 countIf(status != 'ok') AS errors,
                 countIf(status = 'ok'

@@ -2,12 +2,14 @@
 JetStream into the SLA store.
 
 One durable consumer per input (``router.requests.>``, ``engine.metrics.>``, ``diagnosis.>``,
-``autoscale.hints.>``): pull through :func:`consumers.bus.run_durable` by default, or a durable push
-consumer (``sla.consume=push``), which nats-py delivers several times faster. Valid messages are buffered per table and inserted in batches (at
+``autoscale.hints.>``): a durable push consumer (``sla.consume=push``, the default), which nats-py
+delivers several times faster, or pull through :func:`consumers.bus.run_durable` (``sla.consume=pull``).
+Valid messages are buffered per table and inserted in batches (at
 ``batch_rows`` rows, or when the oldest buffered row is ``flush_interval_s`` old) while the next
 batch fills (one insert in flight per table); messages are acked only after their batch is in
-the store. A crash before the ack means redelivery, and the
-store's dedupe keys (see :mod:`consumers.sla_queries`) make a redelivered row count once.
+the store and, for request records, the per-minute rollup of the minutes it touched has been
+recomputed. A crash before the ack means redelivery, and the store's dedupe keys (see
+:mod:`consumers.sla_queries`) make a redelivered row count once.
 Malformed messages go to the dead-letter subject with the reason and are acked.
 """
 
@@ -196,37 +198,46 @@ class SlaSink:
 
     async def _insert_and_ack(self, table: str, rows: list[bytes], msgs: list[Msg],
                               minutes: set[int] | None = None) -> int:
-        """Insert, then ack; on failure nak so the batch is redelivered. Never raises.
-        Request records also refresh the per-minute rollup of the minutes they touched."""
+        """Insert, refresh the per-minute rollup of the minutes the rows touched (request records),
+        and only then ack: an acked message is in the table *and* in the rollup, so a crash at any
+        point leaves unacked messages that are redelivered, whose rows dedupe and whose minutes are
+        refreshed again. On failure nak the batch. Never raises; returns the rows inserted."""
         t0 = self._now()
         try:
             await asyncio.to_thread(self.store.insert_json_each_row, table, rows)
         except Exception as exc:  # noqa: BLE001 - the batch is redelivered, the sink keeps going
             self.insert_errors.labels(table).inc()
             log.error("insert of %d rows into %s failed: %s; they will be redelivered", len(rows), table, exc)
-            for m in msgs:
-                try:
-                    await m.nak(delay=1.0)
-                except Exception:  # noqa: BLE001 - redelivered after ack_wait anyway
-                    pass
+            await self._nak(msgs)
             return 0
         self.flush_seconds.labels(table).observe(self._now() - t0)
+        self.rows_total.labels(table).inc(len(rows))
+        self.inserted[table] += len(rows)
+        if minutes and not await self.refresh_rollup(minutes):
+            log.error("the %d rows inserted into %s will be redelivered to refresh their rollup", len(rows), table)
+            await self._nak(msgs)
+            return len(rows)
         for m in msgs:
             try:
                 await m.ack()
             except Exception as exc:  # noqa: BLE001 - unacked rows come back and dedupe
                 log.warning("ack after insert into %s failed: %s", table, exc)
                 break
-        self.rows_total.labels(table).inc(len(rows))
-        self.inserted[table] += len(rows)
-        if minutes:
-            await self.refresh_rollup(minutes)
         return len(rows)
 
-    async def refresh_rollup(self, minutes: set[int]) -> None:
-        """Recompute the rollup of the given minutes, one query per run of consecutive minutes; a
-        failure is counted and the next refresh of those minutes (a later batch, ``sla rollup``)
-        repairs them."""
+    @staticmethod
+    async def _nak(msgs: list[Msg]) -> None:
+        for m in msgs:
+            try:
+                await m.nak(delay=1.0)
+            except Exception:  # noqa: BLE001 - redelivered after ack_wait anyway
+                pass
+
+    async def refresh_rollup(self, minutes: set[int]) -> bool:
+        """Recompute the rollup of the given minutes, one query per run of consecutive minutes.
+        Returns False if a query failed (counted; the caller naks the batch, whose redelivery
+        refreshes those minutes again)."""
+        ok = True
         for first, last in minute_runs(minutes):
             try:
                 await asyncio.to_thread(sla_queries.refresh_minutes, self.store, first * 60.0, last * 60.0,
@@ -234,6 +245,8 @@ class SlaSink:
             except Exception as exc:  # noqa: BLE001
                 self.insert_errors.labels("request_minutes").inc()
                 log.error("rollup refresh of minutes %d..%d failed: %s", first, last, exc)
+                ok = False
+        return ok
 
     async def flush_all(self) -> None:
         for table in self.buffers:

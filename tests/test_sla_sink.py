@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from consumers import bus
 from consumers import sla_queries as Q
-from consumers.sla_sink import SlaSink, minute_runs
+from consumers.sla_sink import ROUTES, SlaSink, minute_runs
 from consumers.sla_store import ChdbStore, SlaConfig
 from schemas import Diagnosis, EngineMetrics, RequestRecord
 from schemas import subjects as S
@@ -62,7 +63,6 @@ def _start_sink(nats_server, prefix, chdb_path, **sla_env):
         "INFERNEX_NATS__SERVERS": nats_server.url,
         "INFERNEX_NATS__SUBJECT_PREFIX": prefix,
         "INFERNEX_SLA__CHDB_PATH": str(chdb_path),
-        "INFERNEX_SLA__ACK_WAIT_S": "2",
     })
     env.update({f"INFERNEX_SLA__{k.upper()}": str(v) for k, v in sla_env.items()})
     return subprocess.Popen(INFERNEX + ["sla-sink"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -72,31 +72,52 @@ def _start_sink(nats_server, prefix, chdb_path, **sla_env):
 async def test_kill_mid_batch_then_restart_loses_and_duplicates_nothing(nats_server, nc, topology, prefix, tmp_path,
                                                                          consume):
     js = nc.jetstream()
-    t0 = time.time() - 300
+    # a minute starts at record 750 (with push: inside the second batch, which the killed sink
+    # acked); the minute before must be rolled up completely although no record published after
+    # the kill falls into it
+    t0 = (time.time() - 300) // 60 * 60 - 7.5
     router = f"{prefix.upper()}_ROUTER"
     chdb_path = tmp_path / "chdb"
-    # two full batches of 500 get inserted and acked; 250 more wait in the buffer (flush after 120 s)
-    await _publish_records(js, prefix, 0, 1250, t0)
+    # batches of >= 500 rows get inserted and acked; the rest waits in the buffer (flush after 120 s,
+    # no redelivery for 300 s, so this state lasts however slow the machine is). With push the
+    # batches are 500, 500 and 250 stay buffered; pull fetches may return fewer rows under load
+    published = 1250
+    await _publish_records(js, prefix, 0, published, t0)
     suffix = "-push" if consume == "push" else ""
-    proc = _start_sink(nats_server, prefix, chdb_path, batch_rows=500, flush_interval_s=120, consume=consume)
+    durable = "sla-sink-requests" + suffix
+    proc = _start_sink(nats_server, prefix, chdb_path, batch_rows=500, flush_interval_s=120, ack_wait_s=300,
+                       consume=consume)
     try:
         async def mid_batch():
+            nonlocal published
             try:
-                info = await js.consumer_info(router, "sla-sink-requests" + suffix)
+                info = await js.consumer_info(router, durable)
             except Exception:  # noqa: BLE001 - not created yet
                 return None
-            return info if info.ack_floor.stream_seq >= 1000 and info.num_ack_pending == 250 else None
+            if info.ack_floor.stream_seq < 500:
+                return None
+            if info.num_ack_pending:  # a batch acked, later rows buffered (or being inserted)
+                return info
+            if info.num_pending == 0 and info.ack_floor.stream_seq == published:
+                # the batches added up to everything published: 100 more stay in the buffer
+                await _publish_records(js, prefix, published, published + 100, t0)
+                published += 100
+            return None
 
-        await _wait_for(mid_batch, what="two batches acked and 250 rows buffered")
+        await _wait_for(mid_batch, timeout=90, what="a batch acked and later rows buffered")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    info = await js.consumer_info(router, durable)
+    assert info.ack_floor.stream_seq >= 500 and info.num_ack_pending > 0  # killed with rows unacked
+    # the durable keeps its settings across restarts: let the unacked rows come back soon
+    await js.add_consumer(router, info.config.evolve(ack_wait=2.0))
 
     # more traffic while the sink is down, including engine metrics, diagnoses and garbage
-    await _publish_records(js, prefix, 1250, 3000, t0)
+    await _publish_records(js, prefix, published, 3000, t0)
     for i in range(30):
         m = _metrics(i, t0)
         await bus.publish(js, S.with_prefix(prefix, S.engine_metrics(m.pod)), m.to_json(), msg_id=f"m{i}")
@@ -107,7 +128,8 @@ async def test_kill_mid_batch_then_restart_loses_and_duplicates_nothing(nats_ser
     for i, b in enumerate(bad):
         await bus.publish(js, S.with_prefix(prefix, S.router_requests("pool-a")), b, msg_id=f"bad{i}")
 
-    proc = _start_sink(nats_server, prefix, chdb_path, batch_rows=500, flush_interval_s=0.5, consume=consume)
+    proc = _start_sink(nats_server, prefix, chdb_path, batch_rows=500, flush_interval_s=0.5, ack_wait_s=2,
+                       consume=consume)
     try:
         async def drained():
             total = 0
@@ -198,6 +220,70 @@ async def test_insert_that_failed_after_landing_is_redelivered_and_counted_once(
         # the per-minute rollup was refreshed after the redelivered insert too
         (roll,) = Q.sla_summary_rollup(store, t0 - 60, t0 + 120)
         assert roll["requests"] == 400
+    finally:
+        store.close()
+
+
+class _FirstRollupBlocksThenFails:
+    """A store whose first rollup refresh waits until released and then fails: the window in
+    which a sink killed after inserting a batch has not yet refreshed the batch's minutes."""
+
+    def __init__(self, store):
+        self.store = store
+        self.database = store.database
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def command(self, sql, params=None):
+        if "request_minutes" in sql and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the rollup refresh"
+            raise RuntimeError("killed during the rollup refresh")
+        return self.store.command(sql, params)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+async def test_batch_is_acked_only_after_its_minutes_are_rolled_up(nc, topology, prefix, tmp_path):
+    js = nc.jetstream()
+    minute = (time.time() - 300) // 60 * 60
+    t0 = minute - 1.495  # records 0..149 (the first batch) are the only ones in the minute before
+    await _publish_records(js, prefix, 0, 450, t0)
+    store = ChdbStore(tmp_path / "chdb", "infernex")
+    try:
+        Q.migrate(store)
+        wrapped = _FirstRollupBlocksThenFails(store)
+        cfg = SlaConfig(batch_rows=150, flush_interval_s=5, ack_wait_s=30)
+        registry = CollectorRegistry()
+        sink = SlaSink(js, wrapped, cfg, topology=topology, prefix=prefix, registry=registry)
+        route = next(r for r in ROUTES if r.table == "request_records")
+        stream, durable = sink.stream_of(route).name, sink.durable_name(route)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        try:
+            await _wait_for(lambda: asyncio.to_thread(wrapped.entered.wait, 0.5), what="the first rollup refresh")
+            # the first batch is in the table but its minute is not rolled up yet: nothing may be acked
+            info = await js.consumer_info(stream, durable)
+            assert info.ack_floor.stream_seq == 0 and info.num_ack_pending >= 150
+            assert Q.table_counts(store)["request_records"] >= 150
+            wrapped.release.set()
+
+            async def settled():
+                info = await js.consumer_info(stream, durable)
+                return info.num_pending == 0 and info.num_ack_pending == 0 and info.ack_floor.stream_seq == 450
+
+            await _wait_for(settled, what="every record acked after the failed rollup was redelivered")
+        finally:
+            wrapped.release.set()
+            stop.set()
+            await asyncio.wait_for(task, timeout=30)
+        assert registry.get_sample_value("infernex_sla_sink_insert_errors_total", {"table": "request_minutes"}) == 1
+        assert Q.table_counts(store)["request_records"] == 450
+        exact = {(r["minute"], r["requests"]) for r in Q.sla_by_minute(store, t0 - 60, t0 + 120)}
+        assert exact == {(int(minute) - 60, 150), (int(minute), 300)}
+        rolled = {(m, Q.sla_summary_rollup(store, m, m + 60)[0]["requests"]) for m, _ in exact}
+        assert rolled == exact  # the minute only the failed batch touched is rolled up too
     finally:
         store.close()
 
