@@ -500,9 +500,8 @@ def to_dynamo(idx: KvIndex, batch: KvEventBatch) -> dict:
     for ev in batch.events:
         if isinstance(ev, BlockStored):
             # our keys of these blocks, looked up from the index (already applied)
-            pod = idx._pods[batch.pod]
-            emap = pod.emaps["GPU"]
-            blocks = [{"block_hash": h, "tokens_hash": emap.get(h, h)} for h in ev.block_hashes]
+            keys = idx.keys_of(batch.pod, ev.block_hashes)
+            blocks = [{"block_hash": h, "tokens_hash": k or h} for h, k in zip(ev.block_hashes, keys)]
             out.append({"stored": {"parent_hash": ev.parent_block_hash, "blocks": blocks}})
         else:
             out.append({"removed": {"block_hashes": list(ev.block_hashes)}})

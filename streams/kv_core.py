@@ -296,10 +296,13 @@ def _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats):
 
 
 @njit(cache=True)
-def apply_ops(kt, em, ex, sz, cnt, W, op_kind, op_holder, op_pkind, op_parent, op_bs,
-              hoff, hashes, toff, tokens, start, stats):
+def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, hashes, tokens, start, stats):
     """Apply operations ``start..`` in order. Returns ``(next op, need flags)``; need is 0 when
     every operation was applied, else the tables to grow before calling again from ``next``.
+
+    ``meta`` has a row per operation: kind, holder, parent kind, block size, and the end of
+    its hashes and of its tokens in ``hashes`` / ``tokens`` (each starts where the previous
+    operation's ends); ``parents`` the parent hash, parent key or root seed.
 
     Each operation first touches the table rows its blocks will probe, in a loop of
     independent loads, so their cache misses overlap instead of being paid one by one."""
@@ -308,25 +311,30 @@ def apply_ops(kt, em, ex, sz, cnt, W, op_kind, op_holder, op_pkind, op_parent, o
     ex_lim = np.int64(ex.shape[0] * LOAD)
     em_mask = em.shape[0] - 1
     kt_mask = kt.shape[0] - 1
-    m = op_kind.shape[0]
+    m = meta.shape[0]
     longest = 0
+    prev = meta[start - 1, 4] if start > 0 else 0
     for o in range(start, m):
-        longest = max(longest, hoff[o + 1] - hoff[o])
+        longest = max(longest, meta[o, 4] - prev)
+        prev = meta[o, 4]
     keys = np.empty(longest, dtype=np.uint64)
     sink = U64(0)
     for o in range(start, m):
-        holder = op_holder[o]
+        holder = meta[o, 1]
         b = U64(holder + 1)
-        h0 = hoff[o]
-        n = hoff[o + 1] - h0
-        if op_kind[o] == OP_REMOVE:
+        h0 = meta[o - 1, 4] if o > 0 else 0
+        n = meta[o, 4] - h0
+        if meta[o, 0] == OP_REMOVE:
+            # deleting shifts the rows after the hole back: touch the next line as well
             for i in range(n):
-                sink ^= em[_p_home(hashes[h0 + i], b, em_mask), 1]
+                r = _p_home(hashes[h0 + i], b, em_mask)
+                sink ^= em[r, 1] ^ em[(r + 3) & em_mask, 1]
             for i in range(n):
                 e = _p_find(em, hashes[h0 + i], b)
-                k = em[e, 2] if e >= 0 else U64(0)
-                keys[i] = k
-                sink ^= kt[np.int64(k & U64(kt_mask)), 0]
+                keys[i] = em[e, 2] if e >= 0 else U64(0)
+            for i in range(n):
+                r = np.int64(keys[i] & U64(kt_mask))
+                sink ^= kt[r, 0] ^ kt[((r | 3) + 1) & kt_mask, 0]
             for i in range(n):
                 e = _p_find(em, hashes[h0 + i], b)
                 if e < 0:
@@ -343,8 +351,8 @@ def apply_ops(kt, em, ex, sz, cnt, W, op_kind, op_holder, op_pkind, op_parent, o
             need |= NEED_EX
         if need:
             return o, need
-        pk = op_pkind[o]
-        seed = op_parent[o]
+        pk = meta[o, 2]
+        seed = parents[o]
         if pk == PARENT_HASH:
             # the parent is almost always in the same tier; else any tier of the pod
             e = _p_find(em, seed, b)
@@ -361,8 +369,8 @@ def apply_ops(kt, em, ex, sz, cnt, W, op_kind, op_holder, op_pkind, op_parent, o
                 continue
             seed = em[e, 2]
         stats[S_STORED] += n
-        bs = op_bs[o]
-        t0 = toff[o]
+        bs = meta[o, 3]
+        t0 = meta[o - 1, 5] if o > 0 else 0
         for i in range(n):
             if pk == KEYS_GIVEN:
                 k = tokens_key(tokens, t0, i)
@@ -370,7 +378,9 @@ def apply_ops(kt, em, ex, sz, cnt, W, op_kind, op_holder, op_pkind, op_parent, o
                 k = _hash_block(tokens, t0 + i * bs, bs, seed)
                 seed = k
             keys[i] = k
-            sink ^= kt[np.int64(k & U64(kt_mask)), 0] ^ em[_p_home(hashes[h0 + i], b, em_mask), 1]
+        # a tight loop of independent loads (the hashing above would keep too few in flight)
+        for i in range(n):
+            sink ^= kt[np.int64(keys[i] & U64(kt_mask)), 0] ^ em[_p_home(hashes[h0 + i], b, em_mask), 1]
         for i in range(n):
             k = keys[i]
             h = hashes[h0 + i]
@@ -580,3 +590,15 @@ def query_tokens(kt, W, tokens, bs, n, seed, allowed, torder, matched, tiers):
     keys = chain_keys(tokens, bs, n, seed)
     pred = np.zeros((0, W), dtype=np.uint64)
     return query(kt, W, keys, allowed, pred, torder, matched, tiers)
+
+
+@njit(cache=True)
+def em_lookup(em, hashes, holder):
+    """Our key for each engine hash ``holder`` holds (0 where it holds none)."""
+    out = np.zeros(hashes.shape[0], dtype=np.uint64)
+    b = U64(holder + 1)
+    for i in range(hashes.shape[0]):
+        e = _p_find(em, hashes[i], b)
+        if e >= 0:
+            out[i] = em[e, 2]
+    return out

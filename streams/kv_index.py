@@ -248,19 +248,16 @@ class _Model:
 
 
 class _Ops:
-    """Stored/removed events buffered for one kernel call (one model)."""
+    """Stored/removed events buffered for one kernel call (one model): per event a row of
+    ``meta`` (kind, holder, parent kind, block size, end of its hashes, end of its tokens)
+    and its parent in ``parents``; hashes and tokens concatenated."""
 
-    __slots__ = ("model", "kind", "holder", "pkind", "parent", "bs", "hoff", "toff", "hashes", "tokens")
+    __slots__ = ("model", "meta", "parents", "hashes", "tokens")
 
-    def __init__(self):
-        self.model: _Model | None = None
-        self.kind: list[int] = []
-        self.holder: list[int] = []
-        self.pkind: list[int] = []
-        self.parent: list[int] = []
-        self.bs: list[int] = []
-        self.hoff: list[int] = [0]
-        self.toff: list[int] = [0]
+    def __init__(self, model: "_Model | None" = None):
+        self.model = model
+        self.meta = array("q")
+        self.parents = array("Q")
         self.hashes = array("Q")
         self.tokens = array("I")
 
@@ -282,15 +279,20 @@ class _Pod:
         self.exact = False  # has sent KV events
 
 
-def _hash_array(hashes) -> array:
-    if isinstance(hashes, array) and hashes.typecode == "Q":
-        return hashes
+def _extend_hashes(buf: array, hashes) -> None:
+    n0 = len(buf)
     try:
-        return array("Q", hashes)
+        buf.extend(hashes)
     except (OverflowError, TypeError) as exc:
+        del buf[n0:]
         raise ValueError(f"block hashes must be integers in [0, 2**64): {exc}") from None
 
 
+_HAS_KEYS = "block_keys" in BlockStored.model_fields
+
+
+_NO_U64 = np.zeros(0, dtype=np.uint64)
+_NO_U32 = np.zeros(0, dtype=np.uint32)
 _STAT_FIELDS = ("blocks_stored", "blocks_removed", "unknown_parent", "unknown_parent_blocks", "unknown_removed",
                 "duplicates", "aliases")
 
@@ -357,24 +359,22 @@ class KvIndex:
     def _flush(self) -> None:
         """Apply the buffered stored/removed events (one kernel call, growing tables as needed)."""
         ops = self._ops
-        if not ops.kind:
+        if not ops.parents:
             return
         m = ops.model
-        self._ops = _Ops()
-        self._ops.model = m
-        hoff = np.array(ops.hoff, dtype=np.int64)
-        hashes = np.frombuffer(ops.hashes, dtype=np.uint64) if len(ops.hashes) else np.zeros(0, np.uint64)
-        tokens = np.frombuffer(ops.tokens, dtype=np.uint32) if len(ops.tokens) else np.zeros(0, np.uint32)
-        args = (np.array(ops.kind, dtype=np.int8), np.array(ops.holder, dtype=np.int64),
-                np.array(ops.pkind, dtype=np.int8), np.array(ops.parent, dtype=np.uint64),
-                np.array(ops.bs, dtype=np.int64), hoff, hashes, np.array(ops.toff, dtype=np.int64), tokens)
+        self._ops = _Ops(m)
+        meta = np.frombuffer(ops.meta, dtype=np.int64).reshape(-1, 6)
+        parents = np.frombuffer(ops.parents, dtype=np.uint64)
+        hashes = np.frombuffer(ops.hashes, dtype=np.uint64) if ops.hashes else _NO_U64
+        tokens = np.frombuffer(ops.tokens, dtype=np.uint32) if ops.tokens else _NO_U32
         stats = np.zeros(core.N_STATS, dtype=np.int64)
         start = 0
         while True:
-            start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, *args, start, stats)
+            start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, meta, parents, hashes, tokens, start,
+                                         stats)
             if not need:
                 break
-            n = int(hoff[start + 1] - hoff[start])
+            n = int(meta[start, 4] - (meta[start - 1, 4] if start else 0))
             if need & core.NEED_KT:
                 m.kt = core.grow_kt(m.kt, self._cap(m.kt.shape[0], int(m.sz[0]) + n))
             if need & core.NEED_EM:
@@ -439,17 +439,28 @@ class KvIndex:
 
     # ------------------------------------------------------------------------------- apply
 
-    def apply_many(self, batches: Iterable[KvEventBatch]) -> ApplyStats:
+    def apply_many(self, batches: Iterable[KvEventBatch], *, seen: Iterable[float] | None = None) -> ApplyStats:
+        """Fold batches in, in order; returns what happened (also added to :attr:`totals`).
+
+        A pod's ``last_seen`` becomes the clock's time of this call, or with ``seen`` the
+        matching entry (a replay hands over each message's store time). Stored and removed
+        events are buffered and applied in one kernel call per model run.
+        """
         st = ApplyStats()
         self._st = st
         try:
             ap = self._apply
-            for b in batches:
-                ap(b, st)
+            if seen is None:
+                now = self.clock.now()
+                for b in batches:
+                    ap(b, st, now)
+            else:
+                for b, now in zip(batches, seen, strict=True):
+                    ap(b, st, now)
             self._flush()
         finally:
-            if self._ops.kind:  # an exception left events unapplied: drop them
-                self._ops = _Ops()
+            if self._ops.parents:  # an exception left events unapplied: drop them
+                self._ops = _Ops(self._ops.model)
             self._st = None
         self.totals += st
         return st
@@ -457,65 +468,75 @@ class KvIndex:
     def apply(self, batch: KvEventBatch) -> ApplyStats:
         """Fold one batch in; returns what happened (also added to :attr:`totals`).
 
-        ``token_ids`` of a ``BlockStored`` may be any sequence of ints; an ``array("I")`` is
-        copied in C, so a snapshot loader can hand token bytes over without building lists.
+        ``token_ids`` of a ``BlockStored`` may be any sequence of ints or an ``array("I")``;
+        ``block_hashes`` (and a dump's ``block_keys``) any sequence of ints or an ``array("Q")``.
+        Folding many batches with :meth:`apply_many` is cheaper (one kernel call for all).
         """
         return self.apply_many((batch,))
 
-    def _apply(self, batch: KvEventBatch, st: ApplyStats) -> None:
+    def _apply(self, batch: KvEventBatch, st: ApplyStats, now: float) -> None:
         st.batches += 1
         name = batch.pod
-        tomb = self._gone.get(name)
-        if tomb is not None:
-            if (batch.epoch, batch.seq) <= (tomb[1], tomb[2]):
-                st.stale_batches += 1
-                return
-            del self._gone[name]
-        pod = self._pod(name)
+        if self._gone:
+            tomb = self._gone.get(name)
+            if tomb is not None:
+                if (batch.epoch, batch.seq) <= (tomb[1], tomb[2]):
+                    st.stale_batches += 1
+                    return
+                del self._gone[name]
+        pod = self._pods.get(name)
+        if pod is None:
+            pod = self._pod(name)
+        epoch, seq = batch.epoch, batch.seq
         if pod.epoch is not None:
-            if batch.epoch < pod.epoch or (batch.epoch == pod.epoch and batch.seq <= pod.seq):
+            if epoch == pod.epoch:
+                if seq <= pod.seq:
+                    st.stale_batches += 1
+                    return
+                if seq > pod.seq + 1:
+                    st.gaps += 1
+            elif epoch < pod.epoch:
                 st.stale_batches += 1
                 return
-            if batch.epoch > pod.epoch:
+            else:
                 st.epoch_resets += 1
                 self._clear_pod(pod)
                 self._clear_predictions(pod)
-            elif batch.seq > pod.seq + 1:
-                st.gaps += 1
-        if pod.model is not None and pod.model != batch.model:
-            self._clear_pod(pod)  # a pod serves one model; a new model means a new cache
-            self._clear_predictions(pod)
-        pod.model = batch.model
-        pod.epoch, pod.seq = batch.epoch, batch.seq
+        model = batch.model
+        if pod.model != model:
+            if pod.model is not None:
+                self._clear_pod(pod)  # a pod serves one model; a new model means a new cache
+                self._clear_predictions(pod)
+            pod.model = model
+        pod.epoch = epoch
+        pod.seq = seq
         pod.last_event_ts = batch.ts
-        pod.last_seen = self.clock.now()
+        pod.last_seen = now
         pod.exact = True
-        m = self._model(batch.model)
-        if pod.slot >= 64 * m.W:
+        m = self._models.get(model)
+        if m is None:
+            m = self._model(model)
+        slot = pod.slot
+        if slot >= 64 * m.W:
             self._flush()
-            m.widen(pod.slot)
+            m.widen(slot)
         if self._ops.model is not m:
             self._flush()
             self._ops.model = m
         for ev in batch.events:
             st.events += 1
             if isinstance(ev, BlockStored):
-                self._stored(m, pod, ev, st)
+                self._stored(m, slot, ev, st)
             elif isinstance(ev, BlockRemoved):
                 t = m.tidx.get(ev.medium or PRIMARY_TIER)
                 if t is None:
                     st.unknown_removed += len(ev.block_hashes)
                     continue
                 ops = self._ops
-                ops.kind.append(core.OP_REMOVE)
-                ops.holder.append(pod.slot << core.TIER_BITS | t)
-                ops.pkind.append(0)
-                ops.parent.append(0)
-                ops.bs.append(0)
                 hs = ops.hashes
-                hs.extend(_hash_array(ev.block_hashes))
-                ops.hoff.append(len(hs))
-                ops.toff.append(len(ops.tokens))
+                _extend_hashes(hs, ev.block_hashes)
+                ops.meta.extend((core.OP_REMOVE, slot << core.TIER_BITS | t, 0, 0, len(hs), len(ops.tokens)))
+                ops.parents.append(0)
             elif isinstance(ev, AllBlocksCleared):
                 st.cleared += 1
                 self._clear_pod(pod, None if ev.medium is None else ev.medium)
@@ -525,67 +546,69 @@ class KvIndex:
                 self._clear_predictions(pod)
             elif isinstance(ev, PodGone):
                 st.gone += 1
-                self._gone[name] = (batch.model, batch.epoch, batch.seq, batch.ts)
+                self._gone[name] = (model, epoch, seq, batch.ts)
                 self.remove_pod(name)
                 break  # nothing after a pod is gone
 
-    def _stored(self, m: _Model, pod: _Pod, ev: BlockStored, st: ApplyStats) -> None:
+    def _stored(self, m: _Model, slot: int, ev: BlockStored, st: ApplyStats) -> None:
         bs = ev.block_size
-        if m.block_size is None:
+        if bs != m.block_size:
+            if m.block_size is not None:
+                st.rejected += 1
+                return
             m.block_size = bs
-        elif bs != m.block_size:
-            st.rejected += 1
-            return
-        hashes = _hash_array(ev.block_hashes)
-        n = len(hashes)
-        keys = getattr(ev, "block_keys", None)
+        ops = self._ops
+        hs, tk = ops.hashes, ops.tokens
+        h0, t0 = len(hs), len(tk)
+        _extend_hashes(hs, ev.block_hashes)
+        n = len(hs) - h0
+        keys = ev.block_keys if _HAS_KEYS else getattr(ev, "block_keys", None)
         if keys is not None:
             kind, parent = core.KEYS_GIVEN, 0
-            karr = _hash_array(keys)
-            if len(karr) != n or 0 in karr:
+            try:
+                karr = keys if isinstance(keys, array) and keys.typecode == "Q" else array("Q", keys)
+            except (OverflowError, TypeError):
+                karr = None
+            if karr is None or len(karr) != n or 0 in karr:
+                del hs[h0:]
                 st.rejected += 1
                 return
-            data = memoryview(karr).cast("B")
+            tk.frombytes(memoryview(karr).cast("B"))
         else:
-            if ev.parent_key is not None:  # an index dump names our parent key directly
-                kind, parent = core.PARENT_KEY, ev.parent_key
-            elif ev.parent_block_hash is None:
-                lora_id, lora_name = ev.lora_id, ev.lora_name
-                kind = core.PARENT_ROOT
-                parent = 0 if lora_id is None and lora_name is None else \
-                    root_seed(lora_id if lora_id is not None else lora_name)
+            parent = ev.parent_key
+            if parent is not None:  # an index dump names our parent key directly
+                kind = core.PARENT_KEY
             else:
-                kind, parent = core.PARENT_HASH, ev.parent_block_hash
-            toks = ev.token_ids
-            if isinstance(toks, array) and toks.typecode == "I":
-                tarr = toks
-            else:
-                try:
-                    tarr = array("I", toks)
-                except (OverflowError, TypeError) as exc:
-                    raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-            if len(tarr) != n * bs:
+                parent = ev.parent_block_hash
+                if parent is not None:
+                    kind = core.PARENT_HASH
+                else:
+                    kind = core.PARENT_ROOT
+                    lora_id, lora_name = ev.lora_id, ev.lora_name
+                    parent = 0 if lora_id is None and lora_name is None else \
+                        root_seed(lora_id if lora_id is not None else lora_name)
+            try:
+                tk.extend(ev.token_ids)
+            except (OverflowError, TypeError) as exc:
+                del hs[h0:]
+                del tk[t0:]
+                raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+            if len(tk) - t0 != n * bs:
+                del hs[h0:]
+                del tk[t0:]
                 st.rejected += 1
                 return
-            data = None
-        if not 0 <= parent <= _U64:
-            raise ValueError("parent hash or key must be an integer in [0, 2**64)")
-        t = m.tier(ev.medium or PRIMARY_TIER, self.tier_weights)
-        ops = self._ops
-        ops.kind.append(core.OP_STORE)
-        ops.holder.append(pod.slot << core.TIER_BITS | t)
-        ops.pkind.append(kind)
-        ops.parent.append(parent)
-        ops.bs.append(bs)
-        hs = ops.hashes
-        hs.extend(hashes)
-        ops.hoff.append(len(hs))
-        tk = ops.tokens
-        if data is None:
-            tk.extend(tarr)
-        else:
-            tk.frombytes(data)
-        ops.toff.append(len(tk))
+        medium = ev.medium or PRIMARY_TIER
+        t = m.tidx.get(medium)
+        if t is None:
+            t = m.tier(medium, self.tier_weights)
+        try:
+            ops.parents.append(parent)
+        except OverflowError:
+            del hs[h0:]
+            del tk[t0:]
+            raise ValueError("parent hash or key must be an integer in [0, 2**64)") from None
+        ops.meta.extend((core.OP_STORE, slot << core.TIER_BITS | t, kind, bs, len(hs), len(tk)))
 
     # ----------------------------------------------------------------------- predictions
 
@@ -793,6 +816,20 @@ class KvIndex:
                 predicted_blocks=len(p.pred_exp), epoch=p.epoch, seq=p.seq, last_event_ts=p.last_event_ts,
                 last_seen=p.last_seen, live=live)
         return out
+
+    def keys_of(self, pod: str, block_hashes: Sequence[int], medium: str | None = None) -> list[int | None]:
+        """Our key of each engine block hash ``pod`` holds in a tier (None where it holds none):
+        which prefix a block the engine names ends, for explaining a decision or a bench."""
+        p = self._pods.get(pod)
+        m = self._models.get(p.model) if p is not None and p.model is not None else None
+        t = m.tidx.get(medium or PRIMARY_TIER) if m is not None else None
+        if t is None or p.slot >= 64 * m.W:
+            return [None] * len(block_hashes)
+        hs = array("Q")
+        _extend_hashes(hs, block_hashes)
+        keys = core.em_lookup(m.em, np.frombuffer(hs, dtype=np.uint64) if hs else _NO_U64,
+                              p.slot << core.TIER_BITS | t)
+        return [k or None for k in keys.tolist()]
 
     def models(self) -> dict[str, int]:
         """Model -> number of distinct blocks held by any pod."""

@@ -544,3 +544,17 @@ def test_token_ids_may_come_as_a_uint32_array():
     b.apply(KvEventBatch.model_construct(schema_version=1, pod="p", model="m", dp_rank=0, epoch=0, seq=0, ts=0.0,
                                          events=[fast]))
     assert a == b and matched(b, [1, 2]) == {"p": 2}
+
+
+def test_keys_of_names_the_prefix_each_engine_block_ends():
+    idx = KvIndex(ManualClock())
+    f = Feed(idx)
+    f("a", stored([1, 2], [1, 2]))
+    f("a", BlockStored(block_hashes=[9], token_ids=toks(5), block_size=BS, medium="CPU"))
+    keys = block_keys(toks(1, 2), BS)
+    assert idx.keys_of("a", [1, 2, 3]) == [keys[0], keys[1], None]
+    assert idx.keys_of("a", [9], "CPU") == block_keys(toks(5), BS)
+    assert idx.keys_of("a", [9]) == [None]  # not in the GPU tier
+    assert idx.keys_of("nobody", [1]) == [None]
+    f("a", BlockRemoved(block_hashes=[2]))
+    assert idx.keys_of("a", [1, 2]) == [keys[0], None]
