@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from consumers import bus
 from schemas import KvEventBatch, ValidationFailure, decode_event
 from schemas.kv import U64, BlockStored, PodGone
+from streams.kv_core import parse_uint_arrays
 from schemas import subjects as S
 from schemas.config import NatsConfig
 from streams.clock import Clock, SystemClock
@@ -372,21 +373,20 @@ from schemas.kv import AllBlocksCleared, BlockRemoved, PodReset  # noqa: E402
 
 
 
-# The range checks are msgspec constraints, checked in C while decoding (but for hashes' upper
-# bound: msgspec takes no bound past int64). Token ids must be uint32 (what the fold can key), a
-# stricter rule than the schema's: a batch with larger ones takes the pydantic path and the
-# consumer applies it on its own (the fold rejects it there).
+# Scalar range checks are msgspec constraints, checked in C while decoding (but for hashes' upper
+# bound: msgspec takes no bound past int64). Hash and token arrays are parsed natively, which
+# checks them: hashes < 2**64, token ids < 2**32 (what the fold can key; a stricter rule than the
+# schema's: a batch with larger ones takes the pydantic path and the consumer applies it on its
+# own, the fold rejects it there).
 _Hash = Annotated[int, msgspec.Meta(ge=0)]
-_Hashes = Annotated[list[_Hash], msgspec.Meta(min_length=1)]
-_Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 _Medium = Literal["GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class _FStored(msgspec.Struct, tag="stored", tag_field="type", forbid_unknown_fields=True):
-    block_hashes: _Hashes
-    token_ids: list[_Token]
+    block_hashes: msgspec.Raw  # JSON arrays of ints: parsed natively (kv_core.parse_uint_arrays)
+    token_ids: msgspec.Raw
     block_size: Annotated[int, msgspec.Meta(gt=0)]
     parent_block_hash: _Hash | None = None
     lora_id: int | None = None
@@ -397,7 +397,7 @@ class _FStored(msgspec.Struct, tag="stored", tag_field="type", forbid_unknown_fi
 
 
 class _FRemoved(msgspec.Struct, tag="removed", tag_field="type", forbid_unknown_fields=True):
-    block_hashes: _Hashes
+    block_hashes: msgspec.Raw
     medium: _Medium | None = None
 
 
@@ -460,33 +460,67 @@ _mk_batch = _constructor(KvEventBatch)
 
 
 def _fast_batch(data: bytes) -> KvEventBatch | None:
-    """The batch, or None when only the full pydantic validation can decide."""
+    """The batch, or None when only the full pydantic validation can decide.
+
+    Block hashes and token ids stay raw JSON through msgspec and are parsed together, in one
+    native call per message, into uint64 / uint32 numpy arrays (views the fold copies from),
+    so no Python int is built per hash or token.
+    """
     try:
         b = _fast_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    raws: list = []
+    to32 = bytearray()
+    for e in b.events:
+        t = type(e)
+        if t is _FStored:
+            raws.append(e.block_hashes)
+            raws.append(e.token_ids)
+            to32 += b"\x00\x01"
+        elif t is _FRemoved:
+            raws.append(e.block_hashes)
+            to32 += b"\x00"
+    if raws:
+        bad, v64, v32, counts = parse_uint_arrays(np.frombuffer(b"".join(raws), dtype=np.uint8),
+                                                  np.frombuffer(to32, dtype=np.uint8))
+        if bad >= 0:
+            return None
+        counts = counts.tolist()
+    i = o64 = o32 = 0
     events: list = []
     for e in b.events:
-        if type(e) is _FStored:
-            if e.block_keys is not None:
-                if (len(e.block_keys) != len(e.block_hashes) or e.token_ids or min(e.block_keys) == 0
-                        or max(e.block_keys) > U64):
-                    return None
-            elif len(e.token_ids) != len(e.block_hashes) * e.block_size:
+        t = type(e)
+        if t is _FStored:
+            nh, nt = counts[i], counts[i + 1]
+            i += 2
+            hashes = v64[o64:o64 + nh]
+            toks = v32[o32:o32 + nt]
+            o64 += nh
+            o32 += nt
+            if not nh:
                 return None
-            if max(e.block_hashes) > U64 or (e.parent_block_hash or 0) > U64 or (e.parent_key or 0) > U64:
+            if e.block_keys is not None:
+                if (len(e.block_keys) != nh or nt or min(e.block_keys) == 0 or max(e.block_keys) > U64):
+                    return None
+            elif nt != nh * e.block_size:
+                return None
+            if (e.parent_block_hash or 0) > U64 or (e.parent_key or 0) > U64:
                 return None
             events.append(_mk_stored(
-                type="stored", block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
-                token_ids=e.token_ids, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
+                type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash,
+                token_ids=toks, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
                 medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys))
-        elif type(e) is _FRemoved:
-            if max(e.block_hashes) > U64:
+        elif t is _FRemoved:
+            nh = counts[i]
+            i += 1
+            if not nh:
                 return None
-            events.append(_mk_removed(type="removed", block_hashes=e.block_hashes, medium=e.medium))
-        elif type(e) is _FCleared:
+            events.append(_mk_removed(type="removed", block_hashes=v64[o64:o64 + nh], medium=e.medium))
+            o64 += nh
+        elif t is _FCleared:
             events.append(AllBlocksCleared.model_construct(type="cleared", medium=e.medium))
-        elif type(e) is _FReset:
+        elif t is _FReset:
             events.append(PodReset.model_construct(type="reset", reason=e.reason))
         else:
             events.append(PodGone.model_construct(type="gone", reason=e.reason))

@@ -602,3 +602,96 @@ def em_lookup(em, hashes, holder):
         if e >= 0:
             out[i] = em[e, 2]
     return out
+
+
+# ------------------------------------------------------------------------ wire decoding
+
+_U64_MAX = U64(0xFFFFFFFFFFFFFFFF)
+_U32_MAX = U64(0xFFFFFFFF)
+
+
+@njit(inline="always", cache=True)
+def _skip_ws(buf, pos, n):
+    while pos < n:
+        c = buf[pos]
+        if c != 32 and c != 10 and c != 13 and c != 9:
+            break
+        pos += 1
+    return pos
+
+
+@njit(cache=True)
+def parse_uint_arrays(buf, to32):
+    """Parse JSON arrays of non-negative integers laid end to end in ``buf`` (uint8): array
+    ``i`` goes to the uint32 output when ``to32[i]`` (each value must be < 2**32), else to the
+    uint64 output (< 2**64). Returns ``(bad, out64, out32, counts)``: ``bad`` is -1, or the
+    index of the first array that is not an array of such integers (floats, negatives,
+    strings, nesting, overflow); ``counts[i]`` is array ``i``'s length.
+
+    The decoders hand the raw JSON of token ids and block hashes here instead of building a
+    Python int per value (about 20 ns each); ``buf`` is JSON already checked as well-formed.
+    """
+    n = buf.shape[0]
+    k = to32.shape[0]
+    out64 = np.empty(n // 2 + 1, dtype=np.uint64)
+    out32 = np.empty(n // 2 + 1, dtype=np.uint32)
+    counts = np.zeros(k, dtype=np.int64)
+    p64 = 0
+    p32 = 0
+    pos = 0
+    for a in range(k):
+        pos = _skip_ws(buf, pos, n)
+        if pos >= n or buf[pos] != 91:  # [
+            return a, out64[:p64], out32[:p32], counts
+        pos = _skip_ws(buf, pos + 1, n)
+        if pos < n and buf[pos] == 93:  # ] (empty)
+            pos += 1
+            continue
+        c0 = p32 if to32[a] else p64
+        while True:
+            # one integer: up to 19 digits always fit in 64 bits, the 20th is checked
+            v = U64(0)
+            start = pos
+            while pos < n:
+                d = np.int64(buf[pos]) - 48
+                if d < 0 or d > 9:
+                    break
+                v = v * U64(10) + U64(d)
+                pos += 1
+            nd = pos - start
+            if nd == 0 or nd > 20:
+                return a, out64[:p64], out32[:p32], counts
+            if nd == 20:
+                head = U64(0)
+                for j in range(start, start + 19):
+                    head = head * U64(10) + U64(np.int64(buf[j]) - 48)
+                last = U64(np.int64(buf[start + 19]) - 48)
+                if head > (_U64_MAX - last) // U64(10):
+                    return a, out64[:p64], out32[:p32], counts
+            if to32[a]:
+                if v > _U32_MAX:
+                    return a, out64[:p64], out32[:p32], counts
+                out32[p32] = np.uint32(v)
+                p32 += 1
+            else:
+                out64[p64] = v
+                p64 += 1
+            if pos >= n:
+                return a, out64[:p64], out32[:p32], counts
+            c = buf[pos]
+            if c == 44:  # ,
+                pos = _skip_ws(buf, pos + 1, n)
+                continue
+            if c == 93:  # ]
+                pos += 1
+                break
+            pos = _skip_ws(buf, pos, n)
+            if pos < n and buf[pos] == 44:
+                pos = _skip_ws(buf, pos + 1, n)
+                continue
+            if pos < n and buf[pos] == 93:
+                pos += 1
+                break
+            return a, out64[:p64], out32[:p32], counts  # '.', 'e', '-', a string, nesting...
+        counts[a] = (p32 if to32[a] else p64) - c0
+    return -1, out64[:p64], out32[:p32], counts
