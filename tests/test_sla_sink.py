@@ -207,9 +207,13 @@ async def test_insert_that_failed_after_landing_is_redelivered_and_counted_once(
         task = asyncio.create_task(sink.run(stop))
 
         async def done():
-            return Q.table_counts(store)["request_records"] == 400 and sink.inserted["request_records"] >= 400
+            # the sink counts rows as inserted before it refreshes their minutes and acks: wait for
+            # the rollup too, so stopping the sink cannot cut the last refresh short
+            if not (Q.table_counts(store)["request_records"] == 400 and sink.inserted["request_records"] >= 400):
+                return False
+            return [r["requests"] for r in Q.sla_summary_rollup(store, t0 - 60, t0 + 120)] == [400]
 
-        await _wait_for(done, timeout=60, what="all rows after the failed insert")
+        await _wait_for(done, timeout=60, what="all rows and their rollup after the failed insert")
         stop.set()
         await asyncio.wait_for(task, timeout=30)
         assert flaky.failed
