@@ -783,9 +783,13 @@ class KvIndex:
         detail = m.multi or bool(m.pred)
         if m.pred:
             get = m.pred.get
-            full = (1 << (64 * W)) - 1
-            raw = b"".join((get(k, 0) & full).to_bytes(8 * W, "little") for k in karr.tolist())
-            pred = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(len(karr), W)
+            klist = keys if type(keys) is list or type(keys) is BlockKeys else karr.tolist()
+            if W == 1:  # the usual case: one C-level pass
+                pred = np.fromiter(map(get, klist, repeat(0)), dtype=np.uint64, count=len(klist)).reshape(-1, 1)
+            else:
+                full = (1 << (64 * W)) - 1
+                raw = b"".join((get(k, 0) & full).to_bytes(8 * W, "little") for k in klist)
+                pred = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(len(klist), W)
         else:
             pred = np.zeros((0, W), dtype=np.uint64)
         matched = np.zeros(64 * W, dtype=np.int64)

@@ -558,3 +558,20 @@ def test_keys_of_names_the_prefix_each_engine_block_ends():
     assert idx.keys_of("nobody", [1]) == [None]
     f("a", BlockRemoved(block_hashes=[2]))
     assert idx.keys_of("a", [1, 2]) == [keys[0], None]
+
+
+def test_more_than_64_pods_exact_and_predicted():
+    """Pod masks span several 64-bit words once a model has more than 64 pod slots."""
+    idx = KvIndex(ManualClock())
+    f = Feed(idx)
+    for i in range(70):
+        f(f"p{i:02d}", stored([i * 10 + 1, i * 10 + 2], [1, 2 + i % 3]))
+    res = idx.match_tokens("m", toks(1, 2))
+    assert {p for p, r in res.items() if r.matched_blocks == 2} == {f"p{i:02d}" for i in range(0, 70, 3)}
+    assert len(res) == 70 and all(r.matched_blocks >= 1 for r in res.values())
+    idx.record_route("m", "q99", token_ids=toks(1, 2, 3))  # a prediction-only pod past slot 64
+    res = idx.match_tokens("m", toks(1, 2, 3), pods=["q99", "p69", "p68"])
+    assert res["q99"].matched_blocks == 3 and res["q99"].predicted_blocks == 3
+    assert res["p69"].matched_blocks == 2 and res["p68"].matched_blocks == 1
+    idx.remove_pod("p69")
+    assert "p69" not in idx.match_tokens("m", toks(1, 2))
