@@ -58,7 +58,7 @@ from streams.kv_core import parse_uint_arrays
 from schemas import subjects as S
 from schemas.config import NatsConfig
 from streams.clock import Clock, SystemClock
-from streams.kv_index import KvIndex
+from streams.kv_index import KvIndex, warm_up
 from streams.topology import StreamSpec, build_topology, stream_for_subject
 
 log = logging.getLogger(__name__)
@@ -707,6 +707,7 @@ class IndexerService:
     # ------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        await asyncio.to_thread(warm_up)  # the fold's kernels: compiled or loaded before the first event
         self._nc = await bus.connect(self.nats_config, name=f"indexer-{self.config.durable}")
         self._js = self._nc.jetstream()
         try:

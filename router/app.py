@@ -3,6 +3,7 @@ Kubernetes discovery. Used by ``infernex router`` and by tests."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry
@@ -34,6 +35,9 @@ class RouterApp:
         self.service: RouterService | None = None
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
+        from streams.kv_index import warm_up
+
+        await asyncio.to_thread(warm_up)  # the KV index kernels, before the first event or request
         prefix = self.nats.subject_prefix if self.nats else None
         if self.cfg.bus and self.nats is not None:
             from consumers import bus

@@ -935,3 +935,33 @@ class KvIndex:
         for name, (model, epoch, seq, ts) in list(self._gone.items()):
             out.append(KvEventBatch(pod=name, model=model, epoch=epoch, seq=seq, ts=ts, events=[PodGone()]))
         return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) every kernel the fold and the decoders use,
+    by exercising them on a tiny index. A cold compile takes several seconds once per install;
+    services call this at start so the first event or request does not pay it."""
+    from schemas.kv import BlockStored as _S
+
+    idx = KvIndex(_WarmClock(), default_block_size=2)
+    toks = list(range(8))
+    idx.apply_many([KvEventBatch.model_construct(
+        schema_version=1, pod="w", model="w", dp_rank=0, epoch=0, seq=0, ts=0.0, events=[
+            _S(block_hashes=[1, 2], token_ids=toks[:4], block_size=2),
+            _S(block_hashes=[3], parent_block_hash=2, token_ids=toks[4:6], block_size=2, medium="CPU"),
+            BlockRemoved(block_hashes=[2])])])
+    KvIndex(_WarmClock()).apply_many(idx.dump())
+    idx.match_tokens("w", toks)
+    idx.match_keys("w", block_keys(toks, 2))
+    idx.record_route("w", "x", token_ids=toks)
+    idx.match_keys("w", block_keys(toks, 2))
+    idx.keys_of("w", [1])
+    idx.apply_many([KvEventBatch.model_construct(schema_version=1, pod="w", model="w", dp_rank=0, epoch=0, seq=1,
+                                                 ts=0.0, events=[PodReset()])])
+    core.parse_uint_arrays(np.frombuffer(b"[1][2]", dtype=np.uint8), np.frombuffer(b"\x00\x01", dtype=np.uint8))
+
+
+class _WarmClock:
+    @staticmethod
+    def now() -> float:
+        return 0.0

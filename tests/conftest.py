@@ -58,3 +58,11 @@ async def topology(nc, prefix):
             await js.delete_stream(spec.name)
         except Exception:  # noqa: BLE001 - stream may be gone already
             pass
+
+
+def pytest_sessionstart(session):
+    """Compile the KV index kernels once, up front (numba caches them on disk for every later
+    process): else the first tests and the services they start would each pay the compile."""
+    from streams.kv_index import warm_up
+
+    warm_up()
