@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import sys
+import threading
 import time
 
 from consumers.replay import partition_subjects, read_window_batches
+from infernex.commands import replay as replay_cmd
 from infernex.commands.replay import ALL_SUBJECTS, Window, fold_window
 from infernex.incident import ReplayState
 from infernex.settings import Settings
@@ -63,7 +66,7 @@ def _summary(st: ReplayState) -> dict:
             "kv_pos": dict(st._kv_pos)}
 
 
-async def test_parallel_fold_equals_sequential(nc, nats_config, prefix, topology):
+async def test_parallel_fold_equals_sequential(nc, nats_config, prefix, topology, monkeypatch):
     js = nc.jetstream()
     msgs = _history(pods=6, steps=24)
     instant = None
@@ -80,11 +83,16 @@ async def test_parallel_fold_equals_sequential(nc, nats_config, prefix, topology
     assert sorted(s for g in groups for s in g) == sorted({S.kv_events("m", f"pod-{p}") for p in range(6)})
 
     for end in (None, instant):
+        if end is not None:  # workers are forked where possible; spawned when this process runs threads
+            monkeypatch.setattr(replay_cmd.threading, "active_count", lambda: 2)
         seq = ReplayState()
         n_seq = await fold_window(settings, Window(None, end, None, ALL_SUBJECTS), seq)
         par = ReplayState()
-        n_par = await fold_window(settings, Window(None, end, None, ALL_SUBJECTS, workers=3), par)
-        assert n_par == n_seq
+        par_stats: dict = {}
+        n_par = await fold_window(settings, Window(None, end, None, ALL_SUBJECTS, workers=3), par, par_stats)
+        assert n_par == n_seq and par_stats["processes"] == 4
+        forkable = "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+        assert par_stats["start_method"] == ("fork" if forkable else "spawn")
         assert n_seq == (len(msgs) if end is None else len(msgs) // 2 + 1)
         want, got = _summary(seq), _summary(par)
         assert got == want
