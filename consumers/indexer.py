@@ -374,31 +374,21 @@ from schemas.kv import AllBlocksCleared, BlockRemoved, PodReset  # noqa: E402
 
 
 # Scalar range checks are msgspec constraints, checked in C while decoding (but for hashes' upper
-# bound: msgspec takes no bound past int64). Hash and token arrays are parsed natively, which
-# checks them: hashes < 2**64, token ids < 2**32 (what the fold can key; a stricter rule than the
-# schema's: a batch with larger ones takes the pydantic path and the consumer applies it on its
-# own, the fold rejects it there).
+# bound: msgspec takes no bound past int64). Token ids must be uint32 (what the fold can key), a
+# stricter rule than the schema's: a batch with larger ones takes the pydantic path and the
+# consumer applies it on its own (the fold rejects it there).
+#
+# Two mirrors of the schema: for small messages msgspec builds the hash and token lists itself
+# (cheapest below a few KB); for large ones the arrays stay raw JSON and are parsed natively in
+# one call into uint64 / uint32 numpy arrays (no Python int per token: several times cheaper
+# per value, but with a fixed cost per message).
 _Hash = Annotated[int, msgspec.Meta(ge=0)]
+_Hashes = Annotated[list[_Hash], msgspec.Meta(min_length=1)]
+_Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 _Medium = Literal["GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
-
-
-class _FStored(msgspec.Struct, tag="stored", tag_field="type", forbid_unknown_fields=True):
-    block_hashes: msgspec.Raw  # JSON arrays of ints: parsed natively (kv_core.parse_uint_arrays)
-    token_ids: msgspec.Raw
-    block_size: Annotated[int, msgspec.Meta(gt=0)]
-    parent_block_hash: _Hash | None = None
-    lora_id: int | None = None
-    lora_name: str | None = None
-    medium: _Medium | None = None
-    parent_key: _Hash | None = None
-    block_keys: list[_Hash] | None = None
-
-
-class _FRemoved(msgspec.Struct, tag="removed", tag_field="type", forbid_unknown_fields=True):
-    block_hashes: msgspec.Raw
-    medium: _Medium | None = None
+RAW_PARSE_MIN_BYTES = 2048  # messages at least this long take the native array parse
 
 
 class _FCleared(msgspec.Struct, tag="cleared", tag_field="type", forbid_unknown_fields=True):
@@ -413,18 +403,28 @@ class _FGone(msgspec.Struct, tag="gone", tag_field="type", forbid_unknown_fields
     reason: str = "pod deleted"
 
 
-class _FBatch(msgspec.Struct, forbid_unknown_fields=True):
-    pod: _Name
-    model: _Name
-    seq: _NonNeg
-    ts: Annotated[float, msgspec.Meta(ge=0)]
-    events: list[_FStored | _FRemoved | _FCleared | _FReset | _FGone]
-    schema_version: Annotated[int, msgspec.Meta(gt=0, le=SCHEMA_VERSION)] = SCHEMA_VERSION
-    dp_rank: _NonNeg = 0
-    epoch: _NonNeg = 0
+def _mirror(name: str, hashes: Any, tokens: Any) -> tuple[type, type, msgspec.json.Decoder]:
+    """(stored struct, removed struct, batch decoder) with the given array field types."""
+    opts = {"forbid_unknown_fields": True, "tag_field": "type"}
+    stored = msgspec.defstruct(f"_{name}Stored", [
+        ("block_hashes", hashes), ("token_ids", tokens), ("block_size", Annotated[int, msgspec.Meta(gt=0)]),
+        ("parent_block_hash", _Hash | None, None), ("lora_id", int | None, None), ("lora_name", str | None, None),
+        ("medium", _Medium | None, None), ("parent_key", _Hash | None, None),
+        ("block_keys", list[_Hash] | None, None)], tag="stored", **opts)
+    removed = msgspec.defstruct(f"_{name}Removed", [("block_hashes", hashes), ("medium", _Medium | None, None)],
+                                tag="removed", **opts)
+    batch = msgspec.defstruct(f"_{name}Batch", [
+        ("pod", _Name), ("model", _Name), ("seq", _NonNeg), ("ts", Annotated[float, msgspec.Meta(ge=0)]),
+        ("events", list[stored | removed | _FCleared | _FReset | _FGone]),
+        ("schema_version", Annotated[int, msgspec.Meta(gt=0, le=SCHEMA_VERSION)], SCHEMA_VERSION),
+        ("dp_rank", _NonNeg, 0), ("epoch", _NonNeg, 0)], forbid_unknown_fields=True)
+    return stored, removed, msgspec.json.Decoder(batch)
 
 
-_fast_decoder = msgspec.json.Decoder(_FBatch)
+_LStored, _LRemoved, _list_decoder = _mirror("List", _Hashes, list[_Token])
+_RStored, _RRemoved, _raw_decoder = _mirror("Raw", msgspec.Raw, msgspec.Raw)
+
+
 
 
 def _constructor(cls):
@@ -460,46 +460,50 @@ _mk_batch = _constructor(KvEventBatch)
 
 
 def _fast_batch(data: bytes) -> KvEventBatch | None:
-    """The batch, or None when only the full pydantic validation can decide.
-
-    Block hashes and token ids stay raw JSON through msgspec and are parsed together, in one
-    native call per message, into uint64 / uint32 numpy arrays (views the fold copies from),
-    so no Python int is built per hash or token.
-    """
+    """The batch, or None when only the full pydantic validation can decide."""
+    raw = len(data) >= RAW_PARSE_MIN_BYTES
     try:
-        b = _fast_decoder.decode(data)
+        b = (_raw_decoder if raw else _list_decoder).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    raws: list = []
-    to32 = bytearray()
-    for e in b.events:
-        t = type(e)
-        if t is _FStored:
-            raws.append(e.block_hashes)
-            raws.append(e.token_ids)
-            to32 += b"\x00\x01"
-        elif t is _FRemoved:
-            raws.append(e.block_hashes)
-            to32 += b"\x00"
-    if raws:
-        bad, v64, v32, counts = parse_uint_arrays(np.frombuffer(b"".join(raws), dtype=np.uint8),
-                                                  np.frombuffer(to32, dtype=np.uint8))
-        if bad >= 0:
-            return None
-        counts = counts.tolist()
+    stored_t, removed_t = (_RStored, _RRemoved) if raw else (_LStored, _LRemoved)
+    if raw:
+        raws: list = []
+        to32 = bytearray()
+        for e in b.events:
+            t = type(e)
+            if t is stored_t:
+                raws.append(e.block_hashes)
+                raws.append(e.token_ids)
+                to32 += b"\x00\x01"
+            elif t is removed_t:
+                raws.append(e.block_hashes)
+                to32 += b"\x00"
+        if raws:
+            bad, v64, v32, counts = parse_uint_arrays(np.frombuffer(b"".join(raws), dtype=np.uint8),
+                                                      np.frombuffer(bytes(to32), dtype=np.uint8))
+            if bad >= 0:
+                return None
+            counts = counts.tolist()
     i = o64 = o32 = 0
     events: list = []
     for e in b.events:
         t = type(e)
-        if t is _FStored:
-            nh, nt = counts[i], counts[i + 1]
-            i += 2
-            hashes = v64[o64:o64 + nh]
-            toks = v32[o32:o32 + nt]
-            o64 += nh
-            o32 += nt
-            if not nh:
-                return None
+        if t is stored_t:
+            if raw:
+                nh, nt = counts[i], counts[i + 1]
+                i += 2
+                hashes = v64[o64:o64 + nh]
+                toks = v32[o32:o32 + nt]
+                o64 += nh
+                o32 += nt
+                if not nh:
+                    return None
+            else:
+                hashes, toks = e.block_hashes, e.token_ids
+                nh, nt = len(hashes), len(toks)
+                if max(hashes) > U64:
+                    return None
             if e.block_keys is not None:
                 if (len(e.block_keys) != nh or nt or min(e.block_keys) == 0 or max(e.block_keys) > U64):
                     return None
@@ -511,13 +515,19 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
                 type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash,
                 token_ids=toks, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
                 medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys))
-        elif t is _FRemoved:
-            nh = counts[i]
-            i += 1
-            if not nh:
-                return None
-            events.append(_mk_removed(type="removed", block_hashes=v64[o64:o64 + nh], medium=e.medium))
-            o64 += nh
+        elif t is removed_t:
+            if raw:
+                nh = counts[i]
+                i += 1
+                if not nh:
+                    return None
+                hashes = v64[o64:o64 + nh]
+                o64 += nh
+            else:
+                hashes = e.block_hashes
+                if max(hashes) > U64:
+                    return None
+            events.append(_mk_removed(type="removed", block_hashes=hashes, medium=e.medium))
         elif t is _FCleared:
             events.append(AllBlocksCleared.model_construct(type="cleared", medium=e.medium))
         elif t is _FReset:

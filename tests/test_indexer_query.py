@@ -129,7 +129,16 @@ def test_snapshots_of_the_old_key_scheme_are_refused(setup):
             decode_snapshot(msgpack.packb(doc))
 
 
-def test_fast_decoder_agrees_with_the_schema():
+@pytest.fixture(params=["lists", "raw"])
+def fast_path(request, monkeypatch):
+    """Both fast decoders: msgspec-built lists (small messages) and the native array parse (large)."""
+    import consumers.indexer as ix
+
+    monkeypatch.setattr(ix, "RAW_PARSE_MIN_BYTES", 0 if request.param == "raw" else 1 << 30)
+    return request.param
+
+
+def test_fast_decoder_agrees_with_the_schema(fast_path):
     import random
 
     from consumers.indexer import _fast_batch, decode_batch
@@ -159,11 +168,15 @@ def test_fast_decoder_agrees_with_the_schema():
                          events=events)
         fast = _fast_batch(b.to_json())
         assert fast is not None
-        for e in fast.events:  # hashes and token ids come as parsed numpy arrays
+        for e in fast.events:  # on the raw path hashes and token ids come as parsed numpy arrays
             for name in ("block_hashes", "token_ids"):
                 if hasattr(e, name):
                     v = getattr(e, name)
-                    assert isinstance(v, np.ndarray) and v.dtype == (np.uint32 if name == "token_ids" else np.uint64)
+                    if fast_path == "raw":
+                        assert isinstance(v, np.ndarray)
+                        assert v.dtype == (np.uint32 if name == "token_ids" else np.uint64)
+                    else:
+                        assert type(v) is list
         plain = _plain(fast)
         assert plain == b
         assert plain.model_dump_json() == b.model_dump_json()  # same fields, same order
@@ -213,7 +226,7 @@ def _stored_json(**over) -> bytes:
     (b'{"pod":"p","model":"m","seq":0,"ts":1,"events":[{"type":"removed","block_hashes":[18446744073709551616]}]}',
      False),
 ])
-def test_fast_decoder_takes_exactly_what_the_schema_and_fold_accept(data, fast_ok):
+def test_fast_decoder_takes_exactly_what_the_schema_and_fold_accept(data, fast_ok, fast_path):
     from consumers.indexer import _fast_batch, decode_batch
     from schemas import ValidationFailure, decode_event
 
