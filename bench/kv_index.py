@@ -156,6 +156,10 @@ def main() -> None:
     ap.add_argument("--service", action="store_true",
                     help="instead: through JetStream into the indexer service (embedded nats-server)")
     ap.add_argument("--rate", type=float, default=0, help="--service: paced publishing, batches/s (0 = flat out)")
+    ap.add_argument("--paced-workload", choices=("bench", "steps"), default="bench",
+                    help="--service --rate: the paced batches are this bench's (16-64 blocks per stored event) "
+                         "or vLLM-like scheduler steps (bench/replay.py's simulated engine histories: a few "
+                         "small events per batch)")
     args = ap.parse_args()
     if args.service:
         import asyncio
@@ -350,7 +354,21 @@ async def service_bench(args) -> None:
 
     drain = make(args.events)
     live = make(max(1, args.events // 2))
-    paced = make(int(min(args.rate * 10, 100_000))) if args.rate else []
+    paced = []
+    if args.rate and args.paced_workload == "steps":
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "bench_replay", os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py"))
+        replay_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(replay_bench)
+        want = int(min(args.rate * 10, 200_000))
+        msgs, _ = replay_bench.history(int(want * 1.2) + 100, 16, 4)
+        for subject, data in msgs:  # the KV batches only, engine time zeroed for the lag stamp
+            if subject.startswith("kv.events.") and len(paced) < want:
+                paced.append(KvEventBatch.model_validate_json(data).model_copy(update={"ts": 0.0}))
+    elif args.rate:
+        paced = make(int(min(args.rate * 10, 100_000)))
     # as `infernex indexer` does after start: long-lived objects (here the workload) are left out
     # of the cyclic GC's scans
     gc.collect()
@@ -421,6 +439,10 @@ async def service_bench(args) -> None:
                 await asyncio.sleep(0.002)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             blocks = stored_blocks(batches)
+            events = sum(len(b.events) for b in batches)
+            if rate:
+                print(f"{label}: {events / len(batches):.2f} events per batch, offered {rate * events / len(batches):,.0f} "
+                      f"events/s")
             print(f"{label} (publisher process -> JetStream -> indexer{', paced at %g batches/s' % rate if rate else ', flat out'}): "
                   f"{len(batches)} batches / {blocks} stored blocks in {dt:.2f}s (published in {pub['seconds']:.2f}s) -> "
                   f"{blocks / dt / 1e6:.2f}M blocks/s, {len(batches) / dt:.0f} batches/s; indexer CPU "

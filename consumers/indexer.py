@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = 4
 _LITTLE = sys.byteorder == "little"
 ACK_IDLE_S = 0.05  # while messages trickle in, ack at most this often
+FLUSH_DELAY_S = 0.002  # while messages trickle in, fold them in runs at most this much later
 SNAPSHOT_CHUNK = 1 << 20  # object-store chunk bytes (nats-py's default, 128 KiB, costs 8x the messages)
 
 
@@ -690,6 +691,7 @@ class IndexerService:
         self._since_snapshot = 0
         self._lock = asyncio.Lock()  # applying and snapshotting exclude each other
         self._buf: list[KvEventBatch] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
         self._taken_seq = 0  # last stream sequence decoded (applied, dead-lettered or queued)
         self._next_dseq = 1
         self._last_msg = None
@@ -756,6 +758,9 @@ class IndexerService:
                 except Exception:  # noqa: BLE001 - shutting down anyway
                     pass
             self._flush()
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+                self._flush_handle = None
             if self._nc is not None and not self._nc.is_closed:
                 try:
                     await self._ack()
@@ -944,8 +949,12 @@ class IndexerService:
         self._last_msg = msg
         self._unacked += 1
         waiting = self._psub.pending_msgs
-        if len(self._buf) >= self._chunk or not waiting:
+        if len(self._buf) >= self._chunk:
             self._flush()
+        elif not waiting and self._buf and self._flush_handle is None:
+            # nothing else queued: fold shortly, so messages trickling in are folded in runs (one
+            # kernel call per run, not per message) at the cost of FLUSH_DELAY_S of lag
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY_S, self._timed_flush)
         due = self._snapshot_due()
         if due or self._unacked >= self._ack_every or (not waiting and time.monotonic() - self._acked_at >= ACK_IDLE_S):
             # acks cost a socket write each: at most one per ACK_IDLE_S while messages trickle in
@@ -984,6 +993,19 @@ class IndexerService:
         except ValueError as exc:
             return str(exc)
         return parts.get("pod"), parts.get("model")
+
+    def _timed_flush(self) -> None:
+        self._flush_handle = None
+        if self._halted or not self._buf:
+            return
+        if self._lock.locked():  # a message, a snapshot or a resync is being handled: shortly again
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY_S, self._timed_flush)
+            return
+        try:
+            self._flush()
+        except Exception as exc:  # noqa: BLE001 - re-read from the last applied sequence
+            log.exception("indexer: folding queued batches failed")
+            self._schedule_resync(f"folding queued batches failed: {exc}")
 
     def _flush(self) -> None:
         """Fold the queued batches in (one ``apply_many``) and count them."""
@@ -1027,6 +1049,7 @@ class IndexerService:
                 m.anomalies.labels(kind).inc(v)
 
     async def _ack(self) -> None:
+        self._flush()  # the ack covers every message before it: all of them must be folded in
         msg = self._last_msg
         if msg is not None and self._unacked:
             self._unacked = 0
