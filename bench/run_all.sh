@@ -14,5 +14,6 @@ run kv "$P" -P bench/kv_index.py --events 200000 --queries 20000 "${DYN[@]}"
 run router "$P" -P bench/router.py
 run simulate "$BIN/infernex" simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl -p round-robin -p least-load -p kv-aware -p dynamo-cost --out "$OUT/sim-out"
 run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
+run kvlag "$P" -P bench/kv_index.py --service --events 2000 --rate 5000 --paced-workload steps
 run replay "$P" -P bench/replay.py --messages 100000 --workers 1,2,4
 (cd "$OUT" && run demo "$BIN/infernex" demo --out "$OUT/demo-out")
