@@ -170,8 +170,8 @@ def _p_find(t, a, b):
 
 
 @njit(inline="always", cache=True)
-def _p_insert(t, sz, which, a, b, v):
-    """Insert (a, b) -> v; the pair must not be present."""
+def _p_put(t, a, b, v):
+    """Put a row into a pair table being rebuilt (the pair is known to be absent)."""
     mask = t.shape[0] - 1
     i = _p_home(a, b, mask)
     while t[i, 1] != U64(0):
@@ -179,8 +179,13 @@ def _p_insert(t, sz, which, a, b, v):
     t[i, 0] = a
     t[i, 1] = b
     t[i, 2] = v
+
+
+@njit(inline="always", cache=True)
+def _p_insert(t, sz, which, a, b, v):
+    """Insert (a, b) -> v and count it in ``sz[which]``; the pair must not be present."""
+    _p_put(t, a, b, v)
     sz[which] += 1
-    return i
 
 
 @njit(cache=True)
@@ -207,39 +212,35 @@ def _p_delete(t, sz, which, i):
     sz[which] -= 1
 
 
+@njit(inline="always", cache=True)
+def _kt_put(out, src, r):
+    """Copy key-table row ``r`` of ``src`` into ``out`` being rebuilt (the key is known to be absent)."""
+    mask = out.shape[0] - 1
+    i = np.int64(src[r, 0] & U64(mask))
+    while out[i, 0] != U64(0):
+        i = (i + 1) & mask
+    for c in range(src.shape[1]):
+        out[i, c] = src[r, c]
+
+
 # ------------------------------------------------------------------------------ growing
 
 
 @njit(cache=True)
 def grow_kt(kt, new_cap):
     out = np.zeros((new_cap, kt.shape[1]), dtype=np.uint64)
-    mask = new_cap - 1
-    cols = kt.shape[1]
     for r in range(kt.shape[0]):
-        k = kt[r, 0]
-        if k == U64(0):
-            continue
-        i = np.int64(k & U64(mask))
-        while out[i, 0] != U64(0):
-            i = (i + 1) & mask
-        for c in range(cols):
-            out[i, c] = kt[r, c]
+        if kt[r, 0] != U64(0):
+            _kt_put(out, kt, r)
     return out
 
 
 @njit(cache=True)
 def grow_pairs(t, new_cap):
     out = np.zeros((new_cap, 3), dtype=np.uint64)
-    mask = new_cap - 1
     for r in range(t.shape[0]):
-        if t[r, 1] == U64(0):
-            continue
-        i = _p_home(t[r, 0], t[r, 1], mask)
-        while out[i, 1] != U64(0):
-            i = (i + 1) & mask
-        out[i, 0] = t[r, 0]
-        out[i, 1] = t[r, 1]
-        out[i, 2] = t[r, 2]
+        if t[r, 1] != U64(0):
+            _p_put(out, t[r, 0], t[r, 1], t[r, 2])
     return out
 
 
@@ -407,58 +408,39 @@ def tokens_key(tokens, t0, i):
 
 
 @njit(cache=True)
+def _pairs_without(t, slot, tier):
+    """The pair table rebuilt without the rows of ``slot`` in ``tier`` (every tier if < 0), and
+    how many rows it keeps."""
+    out = np.zeros_like(t)
+    kept = 0
+    for r in range(t.shape[0]):
+        b = t[r, 1]
+        if b == U64(0):
+            continue
+        holder = np.int64(b) - 1
+        if (holder >> TIER_BITS) == slot and (tier < 0 or (holder & 7) == tier):
+            continue
+        _p_put(out, t[r, 0], b, t[r, 2])
+        kept += 1
+    return out, kept
+
+
+@njit(cache=True)
 def clear_holder(kt, em, ex, sz, cnt, W, slot, tier):
     """Drop everything ``slot`` holds in ``tier`` (or every tier when ``tier < 0``).
     Returns the new ``(kt, em, ex)`` (rebuilt at the same capacity) and the hashes dropped."""
     T = (kt.shape[1] - 1) // W
-    dropped = 0
-    # engine map
-    em2 = np.zeros_like(em)
-    mask = em.shape[0] - 1
-    n_em = 0
-    for r in range(em.shape[0]):
-        b = em[r, 1]
-        if b == U64(0):
-            continue
-        holder = np.int64(b) - 1
-        if (holder >> TIER_BITS) == slot and (tier < 0 or (holder & 7) == tier):
-            dropped += 1
-            continue
-        i = _p_home(em[r, 0], b, mask)
-        while em2[i, 1] != U64(0):
-            i = (i + 1) & mask
-        em2[i, 0] = em[r, 0]
-        em2[i, 1] = b
-        em2[i, 2] = em[r, 2]
-        n_em += 1
-    # extra references
-    ex2 = np.zeros_like(ex)
-    mask = ex.shape[0] - 1
-    n_ex = 0
-    for r in range(ex.shape[0]):
-        b = ex[r, 1]
-        if b == U64(0):
-            continue
-        holder = np.int64(b) - 1
-        if (holder >> TIER_BITS) == slot and (tier < 0 or (holder & 7) == tier):
-            continue
-        i = _p_home(ex[r, 0], b, mask)
-        while ex2[i, 1] != U64(0):
-            i = (i + 1) & mask
-        ex2[i, 0] = ex[r, 0]
-        ex2[i, 1] = b
-        ex2[i, 2] = ex[r, 2]
-        n_ex += 1
+    em2, n_em = _pairs_without(em, slot, tier)
+    dropped = sz[1] - n_em
+    ex2, n_ex = _pairs_without(ex, slot, tier)
     # key table: clear the slot's bit in the tier(s), drop rows nobody holds
     kt2 = np.zeros_like(kt)
-    mask = kt.shape[0] - 1
     cols = kt.shape[1]
     w = slot >> 6
     nbit = ~(U64(1) << U64(slot & 63))
     n_kt = 0
     for r in range(kt.shape[0]):
-        k = kt[r, 0]
-        if k == U64(0):
+        if kt[r, 0] == U64(0):
             continue
         for t in range(T):
             if tier < 0 or t == tier:
@@ -468,14 +450,9 @@ def clear_holder(kt, em, ex, sz, cnt, W, slot, tier):
             if kt[r, c] != U64(0):
                 anyb = True
                 break
-        if not anyb:
-            continue
-        i = np.int64(k & U64(mask))
-        while kt2[i, 0] != U64(0):
-            i = (i + 1) & mask
-        for c in range(cols):
-            kt2[i, c] = kt[r, c]
-        n_kt += 1
+        if anyb:
+            _kt_put(kt2, kt, r)
+            n_kt += 1
     for t in range(8):
         if tier < 0 or t == tier:
             cnt[slot, t] = 0
