@@ -57,7 +57,7 @@ from xxhash import xxh3_64_intdigest
 
 from schemas.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
 from streams import kv_core as core
-from streams.clock import Clock
+from streams.clock import Clock, ManualClock
 
 PRIMARY_TIER = "GPU"
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "LOCAL_FILE": 0.5, "REMOTE": 0.3}
@@ -182,9 +182,6 @@ class PodInfo:
 
 
 # -------------------------------------------------------------------------------- internals
-
-_TIER_ORDER_CACHE: dict = {}
-
 
 class _Model:
     """One model's tables (see :mod:`streams.kv_core`) and its predictions."""
@@ -943,14 +940,14 @@ def warm_up() -> None:
     services call this at start so the first event or request does not pay it."""
     from schemas.kv import BlockStored as _S
 
-    idx = KvIndex(_WarmClock(), default_block_size=2)
+    idx = KvIndex(ManualClock(), default_block_size=2)
     toks = list(range(8))
     idx.apply_many([KvEventBatch.model_construct(
         schema_version=1, pod="w", model="w", dp_rank=0, epoch=0, seq=0, ts=0.0, events=[
             _S(block_hashes=[1, 2], token_ids=toks[:4], block_size=2),
             _S(block_hashes=[3], parent_block_hash=2, token_ids=toks[4:6], block_size=2, medium="CPU"),
             BlockRemoved(block_hashes=[2])])])
-    KvIndex(_WarmClock()).apply_many(idx.dump())
+    KvIndex(ManualClock()).apply_many(idx.dump())
     idx.match_tokens("w", toks)
     idx.match_keys("w", block_keys(toks, 2))
     idx.record_route("w", "x", token_ids=toks)
@@ -960,8 +957,3 @@ def warm_up() -> None:
                                                  ts=0.0, events=[PodReset()])])
     core.parse_uint_arrays(np.frombuffer(b"[1][2]", dtype=np.uint8), np.frombuffer(b"\x00\x01", dtype=np.uint8))
 
-
-class _WarmClock:
-    @staticmethod
-    def now() -> float:
-        return 0.0
