@@ -316,7 +316,7 @@ def decode_snapshot(data: bytes) -> tuple[int, float, list[KvEventBatch]]:
                 events.append(_mk_stored(
                     type="stored", block_hashes=_le_array(r[1]), parent_block_hash=None, token_ids=[],
                     block_size=r[3], lora_id=None, lora_name=None, medium=r[4], parent_key=None,
-                    block_keys=_le_array(r[2])))
+                    block_keys=_le_array(r[2]), block_salts=None))
             elif r[0] == "g":
                 events.append(PodGone())
             else:
@@ -386,7 +386,7 @@ from schemas.kv import AllBlocksCleared, BlockRemoved, PodReset  # noqa: E402
 _Hash = Annotated[int, msgspec.Meta(ge=0)]
 _Hashes = Annotated[list[_Hash], msgspec.Meta(min_length=1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
-_Medium = Literal["GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"]
+_Medium = Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 RAW_PARSE_MIN_BYTES = 2048  # messages at least this long take the native array parse
@@ -411,7 +411,8 @@ def _mirror(name: str, hashes: Any, tokens: Any) -> tuple[type, type, msgspec.js
         ("block_hashes", hashes), ("token_ids", tokens), ("block_size", Annotated[int, msgspec.Meta(gt=0)]),
         ("parent_block_hash", _Hash | None, None), ("lora_id", int | None, None), ("lora_name", str | None, None),
         ("medium", _Medium | None, None), ("parent_key", _Hash | None, None),
-        ("block_keys", list[_Hash] | None, None)], tag="stored", **opts)
+        ("block_keys", list[_Hash] | None, None), ("block_salts", list[_Hash] | None, None)],
+        tag="stored", **opts)
     removed = msgspec.defstruct(f"_{name}Removed", [("block_hashes", hashes), ("medium", _Medium | None, None)],
                                 tag="removed", **opts)
     batch = msgspec.defstruct(f"_{name}Batch", [
@@ -512,10 +513,14 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
                 return None
             if (e.parent_block_hash or 0) > U64 or (e.parent_key or 0) > U64:
                 return None
+            salts = e.block_salts
+            if salts is not None and (len(salts) != nh or max(salts) > U64):
+                return None
             events.append(_mk_stored(
                 type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash,
                 token_ids=toks, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
-                medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys))
+                medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys,
+                block_salts=salts))
         elif t is removed_t:
             if raw:
                 nh = counts[i]

@@ -1,9 +1,9 @@
 """vLLM KV events (ZMQ) -> JetStream, one message per vLLM batch.
 
 Pipeline: a ZMQ SUB socket receives ``(topic, seq, msgpack KVEventBatch)`` frames; each
-frame is decoded with msgspec (map-encoded events of current vLLM or array-encoded ones
-of older vLLM; block hashes as int or digest bytes), normalized into the
-:class:`schemas.KvEventBatch` JSON and queued; a sender publishes the queue to
+frame is decoded by :mod:`consumers.kv_wire` (every shape vLLM 0.11-0.33 and SGLang send;
+an event the index cannot key is skipped and counted, the rest of its batch goes on),
+normalized into the :class:`schemas.KvEventBatch` JSON and queued; a sender publishes the queue to
 ``kv.events.<model>.<pod>`` with ``Nats-Msg-Id = <pod>:<epoch>:<seq>``, keeping up to
 ``max_inflight`` acks outstanding and the order of the queue.
 
@@ -11,9 +11,13 @@ Sequence handling (:class:`SequenceTracker`, pure):
 
 * ``seq == last + 1``: in order;
 * ``seq > last + 1``: a gap; the missing frames are asked for on the replay socket
-  (vLLM's ROUTER: ``[b"", start_seq]`` -> ``[b"", seq, payload]``... end marker) and
-  published first, in order. Frames the engine no longer buffers are lost: the next
-  published batch then starts with a ``PodReset`` (the indexer forgets the pod);
+  (vLLM's ROUTER: ``[b"", start_seq]`` -> ``[b"", topic, seq, payload]`` per batch in vLLM
+  >= 0.33, ``[b"", seq, payload]`` before, then the end marker with seq -1) and published
+  first, in order. Frames the engine no longer buffers are lost: they are counted and
+  logged, and with the default ``gap_policy="keep"`` the pod's blocks stay (one lost frame
+  must not erase all a pod's routing knowledge; the few blocks it named are corrected by
+  later events or expire with the pod); ``gap_policy="reset"`` makes the next published
+  batch start with a ``PodReset`` instead;
 * ``seq <= last``: the engine restarted; ``epoch`` goes up by one and the first batch of
   the new epoch starts with a ``PodReset``; a new incarnation whose first frames were
   missed is replayed from 0.
@@ -41,7 +45,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Union
 
 import msgspec
 import nats
@@ -53,197 +56,22 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from consumers import bus
-from schemas import SCHEMA_VERSION
+from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decode_frame are re-exported
+    FrameDecoder,
+    FrameError,
+    Normalized,
+    OutBatch,
+    OutReset,
+    decode_frame,
+)
 from schemas import subjects as S
 
 log = logging.getLogger(__name__)
 
-U64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_MEDIA = {"GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"}
+GAP_POLICIES = ("keep", "reset")
 
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
-Hash = Union[int, bytes]
-
-
-# --- vLLM wire structs (mirroring vllm/distributed/kv_events.py) ---------------------------------
-
-class _MapStored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Union[Hash, None] = None
-    token_ids: list[TokenId] = []
-    block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-
-
-class _MapRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: list[Hash]
-    medium: Union[str, None] = None
-
-
-class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    medium: Union[str, None] = None
-
-
-class _MapBatch(msgspec.Struct, gc=False):
-    ts: float
-    events: list[Union[_MapStored, _MapRemoved, _MapCleared]]
-    data_parallel_rank: Union[int, None] = None
-
-
-class _ArrStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Union[Hash, None]
-    token_ids: list[TokenId]
-    block_size: int
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-
-
-class _ArrRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[Hash]
-    medium: Union[str, None] = None
-
-
-class _ArrCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
-    pass
-
-
-class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Union[_ArrStored, _ArrRemoved, _ArrCleared]]
-    data_parallel_rank: Union[int, None] = None
-
-
-# --- normalized output structs (the JSON of schemas.KvEventBatch) --------------------------------
-
-class OutStored(msgspec.Struct, gc=False):
-    block_hashes: list[int]
-    parent_block_hash: Union[int, None]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Union[int, None]
-    lora_name: Union[str, None]
-    medium: Union[str, None]
-    type: str = "stored"
-
-
-class OutRemoved(msgspec.Struct, gc=False):
-    block_hashes: list[int]
-    medium: Union[str, None]
-    type: str = "removed"
-
-
-class OutCleared(msgspec.Struct, gc=False):
-    medium: Union[str, None]
-    type: str = "cleared"
-
-
-class OutReset(msgspec.Struct, gc=False):
-    reason: str
-    type: str = "reset"
-
-
-class OutBatch(msgspec.Struct, gc=False):
-    pod: str
-    model: str
-    dp_rank: int
-    epoch: int
-    seq: int
-    ts: float
-    events: list[Any]
-    schema_version: int = SCHEMA_VERSION
-
-
-class FrameError(ValueError):
-    """A frame that cannot become a KvEventBatch; the message is the dead-letter reason."""
-
-
-@dataclass(slots=True)
-class Normalized:
-    events: list[Any]
-    ts: float
-    dp_rank: int | None
-    blocks_stored: int
-    blocks_removed: int
-
-
-_map_dec = msgspec.msgpack.Decoder(_MapBatch)
-_arr_dec = msgspec.msgpack.Decoder(_ArrBatch)
 _json_enc = msgspec.json.Encoder()
-
-
-def _hashes(values: list, what: str) -> list[int]:
-    if not values:
-        raise FrameError(f"{what}: no block hashes")
-    try:
-        if min(values) >= 0 and max(values) <= U64:  # all ints in range: the common case, no copy
-            return values
-    except TypeError:  # bytes digests (or a mix)
-        pass
-    return [_hash(v, what) for v in values]
-
-
-def _hash(v: int | bytes, what: str) -> int:
-    if isinstance(v, bytes):
-        if not v:
-            raise FrameError(f"{what}: empty block hash bytes")
-        return int.from_bytes(v[-8:], "big")
-    if v < -(1 << 63) or v > U64:
-        raise FrameError(f"{what}: block hash {v} does not fit in 64 bits")
-    return v & U64
-
-
-def _medium(m: str | None) -> str | None:
-    if m is None or m in _MEDIA:
-        return m
-    up = m.upper()
-    return up if up in _MEDIA else None
-
-
-def decode_frame(payload: bytes) -> Normalized:
-    """One vLLM ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if bad."""
-    if not payload:
-        raise FrameError("empty payload")
-    first = payload[0]
-    is_array = 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
-    try:
-        batch = (_arr_dec if is_array else _map_dec).decode(payload)
-    except msgspec.DecodeError as exc:  # ValidationError is a subclass
-        raise FrameError(f"undecodable {'array' if is_array else 'map'}-encoded KVEventBatch: {exc}") from None
-    out: list[Any] = []
-    stored = removed = 0
-    for i, e in enumerate(batch.events):
-        cls = type(e)
-        if cls is _MapStored or cls is _ArrStored:
-            hashes = _hashes(e.block_hashes, f"events[{i}]")
-            bs = e.block_size
-            if bs <= 0:
-                raise FrameError(f"events[{i}]: block_size must be positive, got {bs}")
-            if len(e.token_ids) != len(hashes) * bs:
-                raise FrameError(f"events[{i}]: {len(e.token_ids)} token ids for {len(hashes)} blocks "
-                                 f"of size {bs}")
-            parent = e.parent_block_hash
-            if parent is not None and not (type(parent) is int and 0 <= parent <= U64):
-                parent = _hash(parent, f"events[{i}].parent_block_hash")
-            out.append(OutStored(hashes, parent, e.token_ids, bs, e.lora_id, e.lora_name, _medium(e.medium)))
-            stored += len(hashes)
-        elif cls is _MapRemoved or cls is _ArrRemoved:
-            hashes = _hashes(e.block_hashes, f"events[{i}]")
-            out.append(OutRemoved(hashes, _medium(e.medium)))
-            removed += len(hashes)
-        else:
-            out.append(OutCleared(_medium(getattr(e, "medium", None))))
-    ts = batch.ts
-    if not ts >= 0:  # also rejects NaN
-        raise FrameError(f"batch ts {ts} is not a time")
-    dp = batch.data_parallel_rank
-    if dp is not None and dp < 0:
-        raise FrameError(f"data_parallel_rank {dp} is negative")
-    return Normalized(out, ts, dp, stored, removed)
 
 
 # --- sequence tracking (pure) -------------------------------------------------------------------
@@ -278,7 +106,7 @@ class SequenceTracker:
         self.reset_reason = reason
 
     def lost(self, first: int, last: int) -> None:
-        """Frames ``first..last`` are gone for good: owe the indexer a reset."""
+        """Frames ``first..last`` are gone for good: owe the indexer a reset (``gap_policy="reset"``)."""
         reason = f"lost KV events seq {first}..{last}"
         self.reset_reason = reason if self.reset_reason is None else f"{self.reset_reason}; {reason}"
 
@@ -314,6 +142,9 @@ class BridgeMetrics:
                             ["pod"], registry=registry)
         self.retries = Counter("infernex_kv_bridge_publish_retries_total", "JetStream publishes retried",
                                ["pod"], registry=registry)
+        self.skipped = Counter("infernex_kv_bridge_skipped_events_total",
+                               "events left out of their batch because the index cannot key them, by reason",
+                               ["pod", "reason"], registry=registry)
         self.latency = Histogram("infernex_kv_bridge_publish_latency_seconds",
                                  f"time from ZMQ receive to JetStream ack (1 in {self.LATENCY_SAMPLE} "
                                  "batches sampled)", ["pod"], registry=registry,
@@ -571,6 +402,11 @@ class BridgeConfig:
     ack_timeout_s: float = 5.0
     recover: bool = True  # continue from the last batch stored for this pod
     backfill: bool = True  # on a fresh start, replay what the engine still buffers
+    gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
+
+    def __post_init__(self) -> None:
+        if self.gap_policy not in GAP_POLICIES:
+            raise ValueError(f"gap_policy must be one of {', '.join(GAP_POLICIES)}, not {self.gap_policy!r}")
 
 
 @dataclass
@@ -580,6 +416,7 @@ class BridgeStats:
     dead_letters: int = 0
     gaps_filled: int = 0
     gaps_lost: int = 0
+    skipped_events: int = 0
     restarts: int = 0
     published: int = 0
     blocks: int = 0
@@ -628,6 +465,7 @@ class KvBridge:
         self._drop = drop
         self._dropped: set[int] = set()
         self._pod, self._model = cfg.pod, cfg.model
+        self._decoder = FrameDecoder()
         self.ready = asyncio.Event()
 
     def _acked(self, item: _Item) -> None:
@@ -652,13 +490,18 @@ class KvBridge:
     async def _emit(self, seq: int, payload: bytes, t0: float) -> None:
         """Decode one in-order frame and queue its batch (or dead-letter it)."""
         try:
-            norm = decode_frame(payload)
+            norm = self._decoder.decode(payload)
         except FrameError as exc:
             reason = self.tracker.reset_reason
             self.tracker.accept(seq)
             self.tracker.reset_reason = reason  # still owed to the next good batch
             await self._dead_letter(payload, str(exc), seq)
             return
+        if norm.skipped:
+            for reason, n in norm.skipped.items():
+                self.stats.skipped_events += n
+                self.metrics.skipped.labels(self._pod, reason).inc(n)
+            log.debug("kv-bridge %s: seq %d: skipped %s", self._pod, seq, norm.skipped)
         owed = self.tracker.accept(seq)
         events = norm.events
         if owed is not None:
@@ -728,9 +571,11 @@ class KvBridge:
     def _lost(self, first: int, last: int) -> None:
         self.stats.gaps_lost += 1
         self.metrics.gap_lost.inc()
-        log.warning("kv-bridge %s: KV events seq %d..%d are lost (not in the replay buffer)", self._pod, first,
-                    last)
-        self.tracker.lost(first, last)
+        log.warning("kv-bridge %s: KV events seq %d..%d are lost (not in the replay buffer); %s", self._pod,
+                    first, last, "the pod's blocks are reset" if self.cfg.gap_policy == "reset"
+                    else "the pod's blocks are kept")
+        if self.cfg.gap_policy == "reset":
+            self.tracker.lost(first, last)
         self.tracker.last_seq = last
 
     async def _replay(self, first: int, upto: int) -> dict[int, bytes]:
@@ -747,9 +592,12 @@ class KvBridge:
                     log.warning("kv-bridge %s: replay from %d timed out", self._pod, first)
                     break
                 frames = await sock.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) == 4:  # vLLM >= 0.33: [b"", topic, seq, payload]
+                    _, _, seq_b, payload = frames
+                elif len(frames) == 3:  # before: [b"", seq, payload]
+                    _, seq_b, payload = frames
+                else:
                     continue
-                _, seq_b, payload = frames
                 if seq_b == END_SEQ or not payload:
                     break
                 s = int.from_bytes(seq_b, "big")

@@ -12,12 +12,30 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from schemas.base import Event
 
 U64 = (1 << 64) - 1
-Medium = Literal["GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE"]
+KNOWN_MEDIA = ("GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE", "STORAGE")
+_MEDIUM_PATTERN = r"^[A-Z][A-Z0-9_]{0,31}$"
+_MEDIUM_RE = re.compile(_MEDIUM_PATTERN)
+Medium = Annotated[str, StringConstraints(pattern=_MEDIUM_PATTERN)]
+"""The storage tier a block lives in, as the engine names it (vLLM: ``GPU``, ``CPU`` for
+offloaded blocks, connectors' own names such as ``STORAGE``). Every name is a tier of its own;
+an unknown one is never taken for ``GPU``."""
+
+
+def normalize_medium(value: str | None) -> str | None:
+    """An engine's medium name as a tier name (upper case); ValueError if it is not a name."""
+    if value is None:
+        return None
+    up = value.upper()
+    if not _MEDIUM_RE.match(up):
+        raise ValueError(f"medium {value[:40]!r} is not a tier name")
+    return up
 
 
 def normalize_block_hash(value: int | bytes | str) -> int:
@@ -66,6 +84,11 @@ class BlockStored(_KvBase):
         default=None,
         description="the indexer's own key of every block (one per block hash); only index dumps set "
                     "it, and then token_ids is empty: the keys already say which prefix each block ends")
+    block_salts: list[int] | None = Field(
+        default=None,
+        description="one 64-bit salt per block (0 = none), from vLLM's extra_keys (multimodal inputs, "
+                    "cache_salt): the index mixes it into the block's key, so blocks vLLM would not share "
+                    "never share a key")
 
     @field_validator("block_hashes", mode="before")
     @classmethod
@@ -88,6 +111,11 @@ class BlockStored(_KvBase):
 
     @model_validator(mode="after")
     def _shape(self) -> "BlockStored":
+        if self.block_salts is not None:
+            if len(self.block_salts) != len(self.block_hashes):
+                raise ValueError(f"block_salts has {len(self.block_salts)} salts for {len(self.block_hashes)} blocks")
+            if any(x < 0 or x > U64 for x in self.block_salts):
+                raise ValueError("block_salts must be integers in [0, 2**64)")
         if self.block_keys is not None:
             if len(self.block_keys) != len(self.block_hashes):
                 raise ValueError(f"block_keys has {len(self.block_keys)} keys for {len(self.block_hashes)} blocks")

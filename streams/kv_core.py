@@ -297,13 +297,14 @@ def _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats):
 
 
 @njit(cache=True)
-def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, hashes, tokens, start, stats):
+def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, start, stats):
     """Apply operations ``start..`` in order. Returns ``(next op, need flags)``; need is 0 when
     every operation was applied, else the tables to grow before calling again from ``next``.
 
     ``meta`` has a row per operation: kind, holder, parent kind, block size, and the end of
     its hashes and of its tokens in ``hashes`` / ``tokens`` (each starts where the previous
-    operation's ends); ``parents`` the parent hash, parent key or root seed.
+    operation's ends); ``parents`` the parent hash, parent key or root seed; ``salts`` a salt
+    mixed into the chain seed of the operation's first block (0: none).
 
     Each operation first touches the table rows its blocks will probe, in a loop of
     independent loads, so their cache misses overlap instead of being paid one by one."""
@@ -369,6 +370,7 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, hashes, tokens, start, stat
                 stats[S_UNKNOWN_PARENT_BLOCKS] += n
                 continue
             seed = em[e, 2]
+        seed ^= salts[o]
         stats[S_STORED] += n
         bs = meta[o, 3]
         t0 = meta[o - 1, 5] if o > 0 else 0

@@ -58,6 +58,7 @@ from xxhash import xxh3_64_intdigest
 from schemas.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
 from streams import kv_core as core
 from streams.clock import Clock, ManualClock
+from streams.kv_keys import lora_seed
 
 PRIMARY_TIER = "GPU"
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "LOCAL_FILE": 0.5, "REMOTE": 0.3}
@@ -68,11 +69,7 @@ _DUMP_CHUNK = 4096  # blocks per BlockStored event of a dump
 # --------------------------------------------------------------------------------------- keys
 
 
-def root_seed(lora: int | str | None = None) -> int:
-    """The chain seed of a first block: 0, or derived from a LoRA adapter's id or name."""
-    if lora is None:
-        return 0
-    return xxh3_64_intdigest(f"lora:{lora}".encode())
+root_seed = lora_seed  # the chain seed of a prompt's first block (see streams.kv_keys)
 
 
 def _token_array(token_ids: Sequence[int]) -> np.ndarray:
@@ -99,7 +96,7 @@ class BlockKeys(list):
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, parent: int | None = None,
-               *, lora: int | str | None = None) -> list[int]:
+               *, lora: int | str | None = None, salt: int = 0) -> list[int]:
     """Our chained 64-bit key of every full block of ``token_ids``.
 
     ``key[i] = chain(tokens of block i, seed=key[i-1])`` (:func:`streams.kv_core.chain_keys`);
@@ -113,7 +110,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int | None = N
     if n == 0:
         return []
     toks = _token_array(token_ids[: n * block_size] if len(token_ids) != n * block_size else token_ids)
-    seed = root_seed(lora) if parent is None else parent
+    seed = (root_seed(lora) if parent is None else parent) ^ salt  # salt: the first block's (cache_salt)
     arr = core.chain_keys(toks, block_size, n, np.uint64(seed))
     out = BlockKeys(arr.tolist())
     out.array = arr
@@ -259,12 +256,13 @@ class _Ops:
     ``meta`` (kind, holder, parent kind, block size, end of its hashes, end of its tokens)
     and its parent in ``parents``; hashes and tokens concatenated."""
 
-    __slots__ = ("model", "meta", "parents", "hashes", "tokens")
+    __slots__ = ("model", "meta", "parents", "salts", "hashes", "tokens")
 
     def __init__(self, model: "_Model | None" = None):
         self.model = model
         self.meta = array("q")
         self.parents = array("Q")
+        self.salts = array("Q")
         self.hashes = array("Q")
         self.tokens = array("I")
 
@@ -299,6 +297,7 @@ def _extend_hashes(buf: array, hashes) -> None:
 
 
 _HAS_KEYS = "block_keys" in BlockStored.model_fields
+_HAS_SALTS = "block_salts" in BlockStored.model_fields
 
 
 _NO_U64 = np.zeros(0, dtype=np.uint64)
@@ -375,12 +374,13 @@ class KvIndex:
         self._ops = _Ops(m)
         meta = np.frombuffer(ops.meta, dtype=np.int64).reshape(-1, 6)
         parents = np.frombuffer(ops.parents, dtype=np.uint64)
+        salts = np.frombuffer(ops.salts, dtype=np.uint64)
         hashes = np.frombuffer(ops.hashes, dtype=np.uint64) if ops.hashes else _NO_U64
         tokens = np.frombuffer(ops.tokens, dtype=np.uint32) if ops.tokens else _NO_U32
         stats = np.zeros(core.N_STATS, dtype=np.int64)
         start = 0
         while True:
-            start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, meta, parents, hashes, tokens, start,
+            start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, meta, parents, salts, hashes, tokens, start,
                                          stats)
             if not need:
                 break
@@ -547,6 +547,7 @@ class KvIndex:
                 _extend_hashes(hs, ev.block_hashes)
                 ops.meta.extend((core.OP_REMOVE, slot << core.TIER_BITS | t, 0, 0, len(hs), len(ops.tokens)))
                 ops.parents.append(0)
+                ops.salts.append(0)
             elif isinstance(ev, AllBlocksCleared):
                 st.cleared += 1
                 self._clear_pod(pod, None if ev.medium is None else ev.medium)
@@ -573,6 +574,7 @@ class KvIndex:
         _extend_hashes(hs, ev.block_hashes)
         n = len(hs) - h0
         keys = ev.block_keys if _HAS_KEYS else getattr(ev, "block_keys", None)
+        salts = None
         if keys is not None:
             kind, parent = core.KEYS_GIVEN, 0
             try:
@@ -595,8 +597,9 @@ class KvIndex:
                 else:
                     kind = core.PARENT_ROOT
                     lora_id, lora_name = ev.lora_id, ev.lora_name
-                    parent = 0 if lora_id is None and lora_name is None else \
-                        root_seed(lora_id if lora_id is not None else lora_name)
+                    # vLLM hashes the adapter's name (ids are per engine); the id only when no name
+                    parent = lora_seed(lora_name if lora_name is not None else lora_id)
+            salts = ev.block_salts if _HAS_SALTS else getattr(ev, "block_salts", None)
             toks = ev.token_ids
             try:
                 if type(toks) is np.ndarray:
@@ -610,7 +613,7 @@ class KvIndex:
                 del hs[h0:]
                 del tk[t0:]
                 raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-            if len(tk) - t0 != n * bs:
+            if len(tk) - t0 != n * bs or (salts is not None and len(salts) != n):
                 del hs[h0:]
                 del tk[t0:]
                 st.rejected += 1
@@ -619,19 +622,36 @@ class KvIndex:
         t = m.tidx.get(medium)
         if t is None:
             t = m.tier(medium, self.tier_weights)
+        holder = slot << core.TIER_BITS | t
+        if salts is not None and any(salts):
+            # a salted block starts an operation of its own (the kernel salts an operation's
+            # first block), chained to the block before it by that block's engine hash
+            starts = [0] + [i for i in range(1, n) if salts[i]]
+            for j, a in enumerate(starts):
+                b = starts[j + 1] if j + 1 < len(starts) else n
+                if a:
+                    kind, parent = core.PARENT_HASH, hs[h0 + a - 1]
+                try:
+                    ops.parents.append(parent)
+                    ops.salts.append(salts[a])
+                except OverflowError:
+                    raise ValueError("parent hash, key or salt must be an integer in [0, 2**64)") from None
+                ops.meta.extend((core.OP_STORE, holder, kind, bs, h0 + b, t0 + b * bs))
+            return
         try:
             ops.parents.append(parent)
         except OverflowError:
             del hs[h0:]
             del tk[t0:]
             raise ValueError("parent hash or key must be an integer in [0, 2**64)") from None
-        ops.meta.extend((core.OP_STORE, slot << core.TIER_BITS | t, kind, bs, len(hs), len(tk)))
+        ops.salts.append(0)
+        ops.meta.extend((core.OP_STORE, holder, kind, bs, len(hs), len(tk)))
 
     # ----------------------------------------------------------------------- predictions
 
     def record_route(self, model: str, pod: str, token_ids: Sequence[int] | None = None,
                      keys: Sequence[int] | None = None, ttl_s: float | None = None, *,
-                     lora: int | str | None = None) -> None:
+                     lora: int | str | None = None, salt: int = 0) -> None:
         """Predict that ``pod`` will hold the blocks of a request just routed to it."""
         if keys is None:
             if token_ids is None:
@@ -639,7 +659,7 @@ class KvIndex:
             bs = self.block_size(model)
             if bs is None:
                 return  # no block size known (no events, no default): nothing can be keyed
-            keys = block_keys(token_ids, bs, lora=lora)
+            keys = block_keys(token_ids, bs, lora=lora, salt=salt)
         keys = list(keys)
         if not keys:
             return
@@ -722,8 +742,11 @@ class KvIndex:
         return np.frombuffer(mask.to_bytes(8 * W, "little"), dtype="<u8").astype(np.uint64)
 
     def match_tokens(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None = None,
-                     *, lora: int | str | None = None) -> dict[str, PodMatch]:
+                     *, lora: int | str | None = None, salt: int = 0) -> dict[str, PodMatch]:
         """Matched prefix per pod for a token sequence (hashed like the index keys).
+
+        ``lora`` is the request's LoRA adapter (by name, as vLLM hashes it) and ``salt`` the
+        salt of its first block (:func:`streams.kv_keys.request_salt` of its ``cache_salt``).
 
         Without ``pods``: only pods that hold at least one leading block. With ``pods``:
         one entry for each of them (zeros when nothing matches).
@@ -738,12 +761,12 @@ class KvIndex:
             self._expire(self.clock.now())
         n = len(token_ids) // bs
         if m.pred or not m.T or n == 0:
-            return self.match_keys(model, block_keys(token_ids, bs, lora=lora), pods)
+            return self.match_keys(model, block_keys(token_ids, bs, lora=lora, salt=salt), pods)
         toks = _token_array(token_ids[: n * bs] if len(token_ids) != n * bs else token_ids)
         W = m.W
         matched = np.zeros(64 * W, dtype=np.int64)
         tiers = np.zeros((64 * W if m.multi else 0, m.T + 1), dtype=np.int64)
-        walked = core.query_tokens(m.kt, W, toks, bs, n, np.uint64(root_seed(lora)), self._allowed_words(pods, W), m.torder,
+        walked = core.query_tokens(m.kt, W, toks, bs, n, np.uint64(root_seed(lora) ^ salt), self._allowed_words(pods, W), m.torder,
                                    matched, tiers)
         return self._results(m, walked, matched, tiers, pods)
 

@@ -128,18 +128,41 @@ def test_bridge_hashes_match_the_simulator_hasher():
 @pytest.mark.parametrize("payload, needle", [
     (b"", "empty"),
     (b"\xc1garbage", "undecodable"),
-    (msgspec.msgpack.encode([1.0, [["BlockStored", [1, 2], None, [1, 2, 3], 2, None, None]]]), "3 token ids"),
-    (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1, -2], 2, None, None]]]), "undecodable"),
-    (msgspec.msgpack.encode([1.0, [["Bogus", 1]]]), "undecodable"),
-    (msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved", "block_hashes": ["ab"]}]}),
-     "undecodable"),
-    (msgspec.msgpack.encode([1.0, [["BlockRemoved", []]]]), "no block hashes"),
+    (b"\x93\xcb", "undecodable"),  # an array batch cut short
+    (msgspec.msgpack.encode([1.0, "not a list"]), "undecodable"),
     (msgspec.msgpack.encode([-1.0, []]), "not a time"),
+    (msgspec.msgpack.encode([1.0, [], -3]), "negative"),
 ])
-def test_bad_frames_are_rejected_with_a_reason(payload, needle):
+def test_unreadable_frames_are_rejected_with_a_reason(payload, needle):
     with pytest.raises(FrameError) as exc:
         decode_frame(payload)
     assert needle in str(exc.value)
+
+
+GOOD = ["BlockStored", [41], None, [1, 2], 2, None, "GPU"]
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (["BlockStored", [1, 2], None, [1, 2, 3], 2, None, None], "token_count"),
+    (["BlockStored", [1], None, [1, -2], 2, None, None], "undecodable_event"),
+    (["Bogus", 1], "undecodable_event"),
+    ({"type": "BlockRemoved", "block_hashes": ["ab"]}, "undecodable_event"),
+    (["BlockRemoved", []], "no_block_hashes"),
+    (["BlockStored", [5], None, [], 0, None, "CPU"], "no_tokens"),  # an offload placeholder
+    (["BlockStored", [1], None, [1, 2], 2, None, "not a tier!"], "bad_medium"),
+    (["BlockStored", [1.5], None, [1, 2], 2, None, None], "undecodable_event"),
+    ({"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [3, 4],
+      "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1}, "other_kv_group"),
+])
+def test_a_bad_event_costs_only_itself(bad, reason):
+    """The good events around a bad one are kept, in order; the bad one is counted by reason."""
+    payload = msgspec.msgpack.encode([1.0, [GOOD, bad, ["BlockRemoved", [41], "GPU"]], 0])
+    norm = decode_frame(payload)
+    assert norm.skipped == {reason: 1}
+    b = to_batch(norm)
+    assert [type(e) for e in b.events] == [BlockStored, BlockRemoved]
+    assert b.events[0].block_hashes == [41] and b.events[1].block_hashes == [41]
+    assert (norm.blocks_stored, norm.blocks_removed) == (1, 1)
 
 
 def test_sequence_tracker_gap_restart_and_owed_reset():

@@ -217,7 +217,7 @@ def _stored_json(**over) -> bytes:
     (_stored_json(block_hashes=[]), False),
     (_stored_json(token_ids=[0, 1, 2, 1 << 32]), False),  # valid, but the fold cannot key it
     (_stored_json(token_ids=[0, 1, 2, -1]), False),
-    (_stored_json(medium="HBM"), False),
+    (_stored_json(medium="hbm tier"), False),
     (_stored_json(parent_key=1 << 64), False),
     (_stored_json(block_size=0), False),
     (b'{"pod":"","model":"m","seq":0,"ts":1,"events":[]}', False),

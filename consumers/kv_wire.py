@@ -1,0 +1,326 @@
+"""vLLM's (and SGLang's) KV-event wire format -> normalized events. Pure decoding, no I/O.
+
+What engines put on the wire (checked against frames encoded by vLLM's own classes, see
+``tests/fixtures/vllm/``):
+
+* a ZMQ PUB frame ``(topic, seq as 8-byte big-endian, payload)``; the payload is one msgpack
+  ``KVEventBatch(ts, events, data_parallel_rank)``;
+* the batch is an array ``[ts, events, dp_rank]`` or a map ``{"ts": ..., "events": ...}``;
+* each event is a tagged map (``{"type": "BlockStored", ...}``, current vLLM) or a tagged
+  array (``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, ...]``,
+  older vLLM and SGLang). vLLM 0.33 sends an array batch of map events.
+
+Every combination decodes. The common one (a batch in the shape the last one had) takes one
+typed decode; a batch that does not fit is decoded event by event, so one bad event costs
+only itself: it is skipped and counted by reason (:attr:`Normalized.skipped`), and the rest
+of its batch goes on. Only a frame whose batch cannot be read at all raises
+:class:`FrameError` (the bridge dead-letters it).
+
+Events the index cannot key are skipped and counted, never guessed: offload placeholders
+(``token_ids=[]``, ``block_size=0``), blocks of a KV-cache group other than the first
+(hybrid models: sliding-window and mamba groups hold no full prefix), and malformed ones.
+
+``extra_keys`` (vLLM >= 0.11: per block, the multimodal identifiers, LoRA name, cache salt and
+prompt-embedding hashes vLLM mixes into its block hash) become one 64-bit salt per block
+(:func:`streams.kv_keys.extra_salt`), so two prompts vLLM would not share a block for never
+share a key in the index either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from schemas import SCHEMA_VERSION
+from schemas.kv import normalize_medium
+from streams.kv_keys import extra_salt
+
+U64 = (1 << 64) - 1
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+Hash = Union[int, bytes]
+
+
+# --- wire structs: events as tagged maps (current vLLM) ------------------------------------------
+
+class _MStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[Hash]
+    parent_block_hash: Union[Hash, None] = None
+    token_ids: list[TokenId] = []
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    extra_keys: Union[list[Any], None] = None
+    group_idx: Union[int, None] = None
+    kv_cache_spec_kind: Union[str, None] = None
+
+
+class _MRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[Hash]
+    medium: Union[str, None] = None
+    group_idx: Union[int, None] = None
+
+
+class _MCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    medium: Union[str, None] = None
+
+
+_MapEvent = Union[_MStored, _MRemoved, _MCleared]
+
+
+# --- wire structs: events as tagged arrays (older vLLM, SGLang) ----------------------------------
+
+class _AStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[Hash]
+    parent_block_hash: Union[Hash, None]
+    token_ids: list[TokenId]
+    block_size: int
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    extra_keys: Union[list[Any], None] = None
+    group_idx: Union[int, None] = None
+    kv_cache_spec_kind: Union[str, None] = None
+
+
+class _ARemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[Hash]
+    medium: Union[str, None] = None
+    group_idx: Union[int, None] = None
+
+
+class _ACleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    medium: Union[str, None] = None
+
+
+_ArrEvent = Union[_AStored, _ARemoved, _ACleared]
+
+
+def _batch_types(name: str, events: Any) -> tuple[type, type]:
+    fields_ = [("ts", float), ("events", list[events]), ("data_parallel_rank", Union[int, None], None)]
+    return (msgspec.defstruct(f"_{name}ArrBatch", fields_, array_like=True, gc=False),
+            msgspec.defstruct(f"_{name}MapBatch", fields_, gc=False))
+
+
+_ABM, _MBM = _batch_types("MapEv", _MapEvent)
+_ABA, _MBA = _batch_types("ArrEv", _ArrEvent)
+_ABR, _MBR = _batch_types("RawEv", msgspec.Raw)
+
+# (batch is an array, events are maps) -> decoder; vLLM 0.33 is (True, True)
+_TYPED = {(True, True): msgspec.msgpack.Decoder(_ABM), (False, True): msgspec.msgpack.Decoder(_MBM),
+          (True, False): msgspec.msgpack.Decoder(_ABA), (False, False): msgspec.msgpack.Decoder(_MBA)}
+_RAW = {True: msgspec.msgpack.Decoder(_ABR), False: msgspec.msgpack.Decoder(_MBR)}
+_EVENT = {True: msgspec.msgpack.Decoder(_MapEvent), False: msgspec.msgpack.Decoder(_ArrEvent)}
+
+
+# --- normalized output structs (the JSON of schemas.KvEventBatch) --------------------------------
+
+class OutStored(msgspec.Struct, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None]
+    lora_name: Union[str, None]
+    medium: Union[str, None]
+    block_salts: Union[list[int], None] = None
+    type: str = "stored"
+
+
+class OutRemoved(msgspec.Struct, gc=False):
+    block_hashes: list[int]
+    medium: Union[str, None]
+    type: str = "removed"
+
+
+class OutCleared(msgspec.Struct, gc=False):
+    medium: Union[str, None]
+    type: str = "cleared"
+
+
+class OutReset(msgspec.Struct, gc=False):
+    reason: str
+    type: str = "reset"
+
+
+class OutBatch(msgspec.Struct, gc=False):
+    pod: str
+    model: str
+    dp_rank: int
+    epoch: int
+    seq: int
+    ts: float
+    events: list[Any]
+    schema_version: int = SCHEMA_VERSION
+
+
+class FrameError(ValueError):
+    """A frame that cannot become a KvEventBatch; the message is the dead-letter reason."""
+
+
+class _Skip(Exception):
+    """One event the index cannot use; the message is its reason (a counter label)."""
+
+
+@dataclass(slots=True)
+class Normalized:
+    events: list[Any]
+    ts: float
+    dp_rank: int | None
+    blocks_stored: int
+    blocks_removed: int
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> events skipped
+
+
+def _hashes(values: list) -> list[int]:
+    if not values:
+        raise _Skip("no_block_hashes")
+    try:
+        if min(values) >= 0 and max(values) <= U64:  # all ints in range: the common case, no copy
+            return values
+    except TypeError:  # bytes digests (or a mix)
+        pass
+    return [_hash(v) for v in values]
+
+
+def _hash(v: int | bytes) -> int:
+    if isinstance(v, bytes):
+        if not v:
+            raise _Skip("empty_hash")
+        return int.from_bytes(v[-8:], "big")
+    if v < -(1 << 63) or v > U64:
+        raise _Skip("hash_out_of_range")
+    return v & U64
+
+
+def _other_group(e: Any) -> bool:
+    """Blocks of a KV-cache group other than the first (hybrid models) carry no full prefix."""
+    g = e.group_idx
+    return g is not None and g > 0
+
+
+def _salts(extra: list | None, n: int, lora_name: str | None) -> list[int] | None:
+    if not extra:
+        return None
+    if len(extra) != n:
+        raise _Skip("extra_keys_length")
+    out = [extra_salt(x, lora_name) for x in extra]
+    return out if any(out) else None
+
+
+def _convert(e: Any, out: list, counts: list[int]) -> None:
+    """Append the normalized form of one wire event (raises :class:`_Skip`)."""
+    cls = type(e)
+    if cls is _MStored or cls is _AStored:
+        if _other_group(e):
+            raise _Skip("other_kv_group")
+        bs = e.block_size
+        if bs <= 0 or not e.token_ids:
+            raise _Skip("no_tokens")  # offload placeholders: nothing to key them by
+        hashes = _hashes(e.block_hashes)
+        if len(e.token_ids) != len(hashes) * bs:
+            raise _Skip("token_count")
+        parent = e.parent_block_hash
+        if parent is not None and not (type(parent) is int and 0 <= parent <= U64):
+            parent = _hash(parent)
+        try:
+            medium = normalize_medium(e.medium)
+        except ValueError:
+            raise _Skip("bad_medium") from None
+        salts = _salts(e.extra_keys, len(hashes), e.lora_name)
+        out.append(OutStored(hashes, parent, e.token_ids, bs, e.lora_id, e.lora_name, medium, salts))
+        counts[0] += len(hashes)
+    elif cls is _MRemoved or cls is _ARemoved:
+        if _other_group(e):
+            raise _Skip("other_kv_group")
+        hashes = _hashes(e.block_hashes)
+        try:
+            medium = normalize_medium(e.medium)
+        except ValueError:
+            raise _Skip("bad_medium") from None
+        out.append(OutRemoved(hashes, medium))
+        counts[1] += len(hashes)
+    else:
+        try:
+            medium = normalize_medium(e.medium)
+        except ValueError:
+            raise _Skip("bad_medium") from None
+        out.append(OutCleared(medium))
+
+
+def _is_array(b: int) -> bool:
+    return 0x90 <= b <= 0x9F or b in (0xDC, 0xDD)
+
+
+class FrameDecoder:
+    """Decodes payloads; remembers the event shape of the last good batch (engines do not
+    change it) so the common frame takes exactly one typed decode."""
+
+    __slots__ = ("map_events",)
+
+    def __init__(self) -> None:
+        self.map_events = True  # current vLLM
+
+    def decode(self, payload: bytes) -> Normalized:
+        if not payload:
+            raise FrameError("empty payload")
+        arr = _is_array(payload[0])
+        if not arr and not (0x80 <= payload[0] <= 0x8F or payload[0] in (0xDE, 0xDF)):
+            raise FrameError(f"undecodable KVEventBatch: not a msgpack array or map (first byte 0x{payload[0]:02x})")
+        batch = None
+        for maps in (self.map_events, not self.map_events):
+            try:
+                batch = _TYPED[(arr, maps)].decode(payload)
+            except msgspec.DecodeError:
+                continue
+            self.map_events = maps
+            break
+        skipped: dict[str, int] = {}
+        out: list[Any] = []
+        counts = [0, 0]
+        if batch is not None:
+            events = batch.events
+            for e in events:
+                try:
+                    _convert(e, out, counts)
+                except _Skip as s:
+                    skipped[str(s)] = skipped.get(str(s), 0) + 1
+        else:  # some event does not fit: read the batch with raw events, then each event alone
+            try:
+                batch = _RAW[arr].decode(payload)
+            except msgspec.DecodeError as exc:
+                raise FrameError(f"undecodable {'array' if arr else 'map'}-encoded KVEventBatch: {exc}") from None
+            for raw in batch.events:
+                buf = bytes(raw)
+                if not buf:
+                    skipped["undecodable_event"] = skipped.get("undecodable_event", 0) + 1
+                    continue
+                try:
+                    e = _EVENT[not _is_array(buf[0])].decode(buf)
+                    _convert(e, out, counts)
+                except msgspec.DecodeError:
+                    skipped["undecodable_event"] = skipped.get("undecodable_event", 0) + 1
+                except _Skip as s:
+                    skipped[str(s)] = skipped.get(str(s), 0) + 1
+        ts = batch.ts
+        if not ts >= 0:  # also rejects NaN
+            raise FrameError(f"batch ts {ts} is not a time")
+        dp = batch.data_parallel_rank
+        if dp is not None and dp < 0:
+            raise FrameError(f"data_parallel_rank {dp} is negative")
+        return Normalized(out, ts, dp, counts[0], counts[1], skipped)
+
+
+_default = FrameDecoder()
+
+
+def decode_frame(payload: bytes) -> Normalized:
+    """One ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if unreadable."""
+    return _default.decode(payload)
+
+
+__all__ = ["FrameDecoder", "FrameError", "Normalized", "OutBatch", "OutCleared", "OutRemoved", "OutReset",
+           "OutStored", "decode_frame"]
