@@ -114,13 +114,15 @@ class EngineConfig(_Frozen):
     max_model_len: int = Field(default=32_768, gt=0)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash"] = "sha256"
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"
     hash_seed: str | None = Field(default=None, description="vLLM's PYTHONHASHSEED; None: 'vllm-none-hash'")
     tokenizer: str | None = Field(default=None, description="None/'simple' or a local tokenizer.json path")
     vocab_size: int | None = Field(default=None, gt=32, description="simple tokenizer vocabulary (default: model's)")
     role: Role = "aggregated"
     kv_transfer_timeout_s: float = Field(default=480.0, gt=0, description="producer keeps blocks this long")
     emit_kv_events: bool = True
+    kv_events_format: Literal["0.33", "0.22", "0.11"] = Field(
+        default="0.33", description="the vLLM release whose KV-event wire format and replay protocol to speak")
     faults: FaultConfig = Field(default_factory=FaultConfig)
 
     @model_validator(mode="before")

@@ -11,8 +11,9 @@
 * KV events carry the low 64 bits of the digest, read big-endian
   (``maybe_convert_block_hash``).
 
-``xxhash`` (XXH3-128 over canonical CBOR, vLLM's non-cryptographic option) is offered for
-speed; vLLM gives it a random ``NONE_HASH`` unless a seed is set, here the seed is the same.
+``xxhash`` and ``xxhash_cbor`` (XXH3-128 over the pickle or the canonical CBOR of the same
+tuple, vLLM's non-cryptographic options) are offered for speed; vLLM gives them a random
+``NONE_HASH`` unless a seed is set, here the seed is the same.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import cbor2
 import xxhash as _xxhash
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash")
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _U64 = (1 << 64) - 1
 
 HashFn = Callable[[Any], bytes]
@@ -40,6 +41,10 @@ def sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
+def xxhash_pickle128(obj: Any) -> bytes:
+    return _xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def xxhash_cbor128(obj: Any) -> bytes:
     return _xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
 
@@ -50,6 +55,8 @@ def hash_fn_by_name(name: str) -> HashFn:
     if name == "sha256_cbor":
         return sha256_cbor
     if name == "xxhash":
+        return xxhash_pickle128
+    if name == "xxhash_cbor":
         return xxhash_cbor128
     raise ValueError(f"unknown prefix-caching hash algorithm {name!r}; choose one of {', '.join(HASH_ALGOS)}")
 

@@ -2,17 +2,21 @@
 
 Pure data (msgspec only), shared by the engine core and :mod:`simulator.kv_publisher`.
 
-Current vLLM encodes ``KVEventBatch(ts, events, data_parallel_rank)`` and its events as
-msgpack maps, events tagged ``"type": "BlockStored"`` etc.; fields that have a default in
+Events are msgpack maps tagged ``"type": "BlockStored"`` etc.; fields that have a default in
 vLLM (``extra_keys``, ``group_idx`` ...) are omitted when unset, while ``lora_id``, ``medium``
-and ``lora_name`` have no default there and are always present (maybe nil). Older vLLM
-encodes everything ``array_like``: ``[ts, [["BlockStored", hashes, parent, tokens,
+and ``lora_name`` have no default there and are always present (maybe nil). How the batch
+around them is encoded depends on the vLLM release (:data:`WIRE_FORMATS`, checked against
+frames encoded by vLLM's own classes in ``tests/fixtures/vllm/``): vLLM 0.33 sends an array
+``[ts, events, dp_rank]`` and answers replay requests with ``[topic, seq, payload]``; older
+releases send a map batch and answer ``[seq, payload]``. The oldest releases (and SGLang)
+encode everything ``array_like``: ``[ts, [["BlockStored", hashes, parent, tokens,
 block_size, lora_id, medium], ...], dp_rank]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
@@ -60,6 +64,40 @@ class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
     events: list[KvCacheEventT]
     data_parallel_rank: int | None = None
+
+
+class ArrayKVEventBatchOfMaps(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM 0.33's batch: an array around map-encoded events."""
+
+    ts: float
+    events: list[KvCacheEventT]
+    data_parallel_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How one vLLM release puts a ``KVEventBatch`` on the wire."""
+
+    name: str
+    batch_array: bool  # the batch is an array (else a map)
+    event_array: bool  # the events are arrays (else tagged maps)
+    replay_topic: bool  # replay replies are [topic, seq, payload] (else [seq, payload])
+
+
+WIRE_FORMATS: dict[str, WireFormat] = {
+    "0.33": WireFormat("0.33", batch_array=True, event_array=False, replay_topic=True),
+    "0.22": WireFormat("0.22", batch_array=False, event_array=False, replay_topic=False),
+    "0.11": WireFormat("0.11", batch_array=False, event_array=False, replay_topic=False),
+    "array": WireFormat("array", batch_array=True, event_array=True, replay_topic=False),
+}
+DEFAULT_WIRE_FORMAT = "0.33"
+
+
+def wire_format(name: str) -> WireFormat:
+    try:
+        return WIRE_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown vLLM KV-event format {name!r}: use one of {', '.join(WIRE_FORMATS)}") from None
 
 
 # --- older vLLM: arrays ------------------------------------------------------------------
@@ -132,10 +170,17 @@ def _to_array(event: KvCacheEventT) -> ArrayKvCacheEventT:
 
 
 def encode_batch(events: Iterable[KvCacheEventT], *, ts: float, data_parallel_rank: int = 0,
-                 array_like: bool = False) -> bytes:
-    """msgpack payload of one ``KVEventBatch`` (map-encoded, or array-encoded if asked)."""
-    if array_like:
+                 array_like: bool = False, fmt: WireFormat | str | None = None) -> bytes:
+    """msgpack payload of one ``KVEventBatch`` as vLLM release ``fmt`` encodes it (default
+    :data:`DEFAULT_WIRE_FORMAT`; ``array_like=True`` is the all-array format)."""
+    if fmt is None:
+        fmt = "array" if array_like else DEFAULT_WIRE_FORMAT
+    if isinstance(fmt, str):
+        fmt = wire_format(fmt)
+    if fmt.event_array:
         batch: Any = ArrayKVEventBatch(ts, [_to_array(e) for e in events], data_parallel_rank)
+    elif fmt.batch_array:
+        batch = ArrayKVEventBatchOfMaps(ts, list(events), data_parallel_rank)
     else:
         batch = KVEventBatch(ts, list(events), data_parallel_rank)
     return msgspec.msgpack.encode(batch)
@@ -143,12 +188,18 @@ def encode_batch(events: Iterable[KvCacheEventT], *, ts: float, data_parallel_ra
 
 _map_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _array_decoder = msgspec.msgpack.Decoder(ArrayKVEventBatch)
+_array_of_maps_decoder = msgspec.msgpack.Decoder(ArrayKVEventBatchOfMaps)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode either encoding into the map structs (for tests and tools)."""
+    """Decode any of the encodings into the map structs (for tests and tools)."""
     first = payload[0] if payload else 0
-    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):  # msgpack array: older vLLM
+    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):  # msgpack array
+        try:
+            a = _array_of_maps_decoder.decode(payload)
+            return KVEventBatch(a.ts, a.events, a.data_parallel_rank)
+        except msgspec.ValidationError:
+            pass
         arr = _array_decoder.decode(payload)
         events: list[KvCacheEventT] = []
         for e in arr.events:

@@ -2,11 +2,12 @@
 
 * PUB multipart frames ``(topic, seq as 8-byte big-endian, msgpack payload)``; one frame
   per scheduler step, ``seq`` counts from 0 per engine incarnation.
-* Payload: a ``KVEventBatch`` (see :mod:`simulator.kv_events` for both encodings: maps as
-  current vLLM, or ``array_like=True`` as older vLLM).
+* Payload: a ``KVEventBatch`` encoded as the chosen vLLM release does (``fmt``, default
+  vLLM 0.33: an array batch of map events; see :data:`simulator.kv_events.WIRE_FORMATS`).
 * A ROUTER replay socket: a DEALER/REQ client sends ``[b"", start_seq (8 bytes BE)]`` and
-  gets ``[b"", seq, payload]`` for every buffered batch with ``seq >= start_seq``, then the
-  end marker ``[b"", (-1 as 8-byte signed BE), b""]``.
+  gets ``[b"", topic, seq, payload]`` (vLLM 0.33; ``[b"", seq, payload]`` before) for every
+  buffered batch with ``seq >= start_seq``, then the end marker with seq -1 (8-byte signed
+  BE) and an empty payload.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 import zmq
 
 from simulator.kv_events import (  # noqa: F401 - re-exported for users of the publisher
+    DEFAULT_WIRE_FORMAT,
     MEDIUM_GPU,
     AllBlocksCleared,
     ArrayAllBlocksCleared,
@@ -34,6 +36,7 @@ from simulator.kv_events import (  # noqa: F401 - re-exported for users of the p
     block_stored,
     decode_batch,
     encode_batch,
+    wire_format,
 )
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -63,6 +66,7 @@ class KvEventPublisher:
         data_parallel_rank: int = 0,
         *,
         array_like: bool = False,
+        fmt: str | None = None,
         hwm: int = 100_000,
         context: zmq.Context | None = None,
     ) -> None:
@@ -71,7 +75,7 @@ class KvEventPublisher:
         self._ctx = context or zmq.Context.instance()
         self._topic = topic.encode()
         self._dp_rank = data_parallel_rank
-        self._array_like = array_like
+        self.fmt = wire_format(fmt if fmt is not None else ("array" if array_like else DEFAULT_WIRE_FORMAT))
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._seq = 0
@@ -125,7 +129,7 @@ class KvEventPublisher:
         if self._closed:
             raise RuntimeError("KvEventPublisher is closed")
         payload = encode_batch(events, ts=time.time() if ts is None else ts,
-                               data_parallel_rank=self._dp_rank, array_like=self._array_like)
+                               data_parallel_rank=self._dp_rank, fmt=self.fmt)
         with self._lock:
             seq = self._seq
             if not drop:
@@ -156,10 +160,11 @@ class KvEventPublisher:
             start_seq = int.from_bytes(start, "big")
             with self._lock:
                 pending = [(s, p) for s, p in self._buffer if s >= start_seq]
+            head = (client, b"", self._topic) if self.fmt.replay_topic else (client, b"")
             try:
                 for seq, payload in pending:
-                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-                sock.send_multipart((client, b"", END_SEQ, b""))
+                    sock.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+                sock.send_multipart((*head, END_SEQ, b""))
             except zmq.ZMQError:
                 if self._closed:
                     return

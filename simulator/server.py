@@ -221,7 +221,8 @@ class SimEngine:
     async def start(self) -> "SimEngine":
         kv_endpoint, replay_endpoint, topic, array_like = self._kv_args
         if kv_endpoint is not None and self.config.emit_kv_events:
-            self.publisher = KvEventPublisher(kv_endpoint, replay_endpoint, topic=topic, array_like=array_like)
+            self.publisher = KvEventPublisher(kv_endpoint, replay_endpoint, topic=topic, array_like=array_like,
+                                              fmt=None if array_like else self.config.kv_events_format)
         self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         await self._listen()

@@ -84,10 +84,10 @@ async def start_bridge(nc, prefix, pub, stream, **kw):
     return bridge, stop, task
 
 
-@pytest.mark.parametrize("array_like", [False, True], ids=["map-encoded", "array-encoded"])
-async def test_every_batch_once_in_order_through_gap_and_restart(nc, prefix, kv, array_like):
+@pytest.mark.parametrize("fmt", ["0.33", "0.22", "array"])
+async def test_every_batch_once_in_order_through_gap_and_restart(nc, prefix, kv, fmt):
     subject, stream = kv
-    pub = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", array_like=array_like)
+    pub = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", fmt=fmt)
     to_drop: set[int] = set()
     bridge, stop, task = await start_bridge(nc, prefix, pub, stream, drop=lambda s: s in to_drop)
     try:
@@ -202,3 +202,34 @@ async def test_restarted_bridge_continues_epoch_and_fills_missed_frames(nc, pref
         pub.close()
     assert [b.seq for _, b in got] == list(range(total))
     assert all(b.epoch == 0 for _, b in got)
+
+
+@pytest.mark.parametrize("policy", ["keep", "reset"])
+async def test_frames_lost_for_good_keep_the_pods_blocks_unless_told(nc, prefix, kv, policy):
+    """Frames the engine no longer buffers are counted; the pod's blocks stay (default) or
+    the next batch starts with a reset (``gap_policy="reset"``)."""
+    subject, stream = kv
+    pub = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=2)
+    to_drop: set[int] = set()
+    bridge, stop, task = await start_bridge(nc, prefix, pub, stream, drop=lambda s: s in to_drop,
+                                            gap_policy=policy)
+    try:
+        await publish_until_joined(pub, bridge)
+        lost = range(pub.next_seq, pub.next_seq + 4)  # the replay buffer keeps only the last 2 frames,
+        to_drop.update(lost)  # which are the ones after these 4
+        for _ in range(6):
+            pub.publish(stored(pub.next_seq))
+        total = pub.next_seq
+        await wait_for(lambda: bridge.stats.gaps_lost == 1 and bridge.stats.published >= total - 4,
+                       what="the gap handled")
+        got = await collect(nc.jetstream(), stream, subject, total - 4)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        pub.close()
+    seqs = [b.seq for _, b in got]
+    assert seqs == [s for s in range(total) if s not in lost]
+    resets = [b.seq for _, b in got for e in b.events if e.type == "reset"]
+    assert resets == ([] if policy == "keep" else [lost[-1] + 1])
+    assert bridge.test_registry.get_sample_value("infernex_kv_bridge_gaps_total",
+                                                 {"pod": "pod-1", "outcome": "lost"}) == 1

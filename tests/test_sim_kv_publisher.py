@@ -44,8 +44,10 @@ def _publish_until_received(pub, sub, events):
     raise AssertionError("no frame received from the publisher")
 
 
-def test_frames_are_vllm_map_encoded(ctx):
-    with KvEventPublisher("tcp://127.0.0.1:0") as pub:
+@pytest.mark.parametrize("fmt", ["0.33", "0.22"])
+def test_frames_are_vllm_encoded(ctx, fmt):
+    """vLLM 0.33: an array batch [ts, events, dp_rank] of tagged map events; 0.22: a map batch."""
+    with KvEventPublisher("tcp://127.0.0.1:0", fmt=fmt) as pub:
         assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
         sub = _sub(ctx, pub.endpoint)
         ev = [block_stored([11, 12], None, list(range(8)), 4), block_removed([7]), AllBlocksCleared()]
@@ -54,6 +56,9 @@ def test_frames_are_vllm_map_encoded(ctx):
         assert len(seq_bytes) == 8
         first_seq = int.from_bytes(seq_bytes, "big")
         raw = msgpack.unpackb(payload)
+        if fmt == "0.33":
+            assert isinstance(raw, list) and len(raw) == 3
+            raw = dict(zip(("ts", "events", "data_parallel_rank"), raw))
         assert set(raw) == {"ts", "events", "data_parallel_rank"}
         assert raw["data_parallel_rank"] == 0
         assert abs(raw["ts"] - time.time()) < 60
@@ -93,8 +98,19 @@ def test_array_like_encoding_for_older_vllm(ctx):
         sub.close()
 
 
-def test_replay_returns_buffered_batches_then_end_marker(ctx):
-    with KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=3) as pub:
+def _replay_frame(frames, fmt):
+    """(empty, seq, payload) of one replay reply; vLLM 0.33 puts the topic before the seq."""
+    if fmt == "0.33":
+        empty, topic, seq_b, payload = frames
+        assert topic == b"kv-events"
+        return empty, seq_b, payload
+    return tuple(frames)
+
+
+@pytest.mark.parametrize("fmt", ["0.33", "0.22"])
+def test_replay_returns_buffered_batches_then_end_marker(ctx, fmt):
+    with KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=3,
+                          fmt=fmt) as pub:
         assert pub.replay_endpoint and not pub.replay_endpoint.endswith(":0")
         for i in range(5):
             assert pub.publish([block_removed([i])]) == i
@@ -105,12 +121,12 @@ def test_replay_returns_buffered_batches_then_end_marker(ctx):
         got = []
         while True:
             assert dealer.poll(20_000), "replay did not answer"
-            empty, seq_b, payload = dealer.recv_multipart()
+            empty, seq_b, payload = _replay_frame(dealer.recv_multipart(), fmt)
             assert empty == b""
             if seq_b == END_SEQ:
                 assert payload == b""
                 break
-            got.append((int.from_bytes(seq_b, "big"), msgpack.unpackb(payload)["events"][0]["block_hashes"]))
+            got.append((int.from_bytes(seq_b, "big"), decode_batch(payload).events[0].block_hashes))
         # buffer holds only the last 3 steps (2, 3, 4); start_seq=1 asks from 1 onwards
         assert got == [(2, [2]), (3, [3]), (4, [4])]
 
@@ -121,7 +137,7 @@ def test_replay_returns_buffered_batches_then_end_marker(ctx):
         frames = []
         while True:
             assert dealer.poll(20_000)
-            _, seq_b, payload = dealer.recv_multipart()
+            _, seq_b, payload = _replay_frame(dealer.recv_multipart(), fmt)
             if seq_b == END_SEQ:
                 break
             frames.append(int.from_bytes(seq_b, "big"))
@@ -159,8 +175,8 @@ def test_dropped_frame_is_a_gap_filled_by_replay(ctx):
         dealer.connect(pub.replay_endpoint)
         dealer.send_multipart([b"", lost.to_bytes(8, "big")])
         assert dealer.poll(20_000)
-        _, seq_b, payload = dealer.recv_multipart()
+        _, seq_b, payload = _replay_frame(dealer.recv_multipart(), "0.33")
         assert int.from_bytes(seq_b, "big") == lost
-        assert msgpack.unpackb(payload)["events"][0]["block_hashes"] == [2]
+        assert decode_batch(payload).events[0].block_hashes == [2]
         dealer.close()
         sub.close()

@@ -186,8 +186,8 @@ def test_kv_events_on_zmq_match_cache_and_reset(cluster):
             if sub.poll(500):
                 topic, seq, payload = sub.recv_multipart()
                 assert topic == b"kv-events" and len(seq) == 8
-                batch = msgpack.unpackb(payload)
-                for ev in batch["events"]:
+                ts, events, dp_rank = msgpack.unpackb(payload)  # vLLM 0.33: an array batch of map events
+                for ev in events:
                     if ev["type"] == "BlockStored":
                         stored.extend(ev["block_hashes"])
         assert set(expected) <= set(stored)
@@ -204,8 +204,8 @@ def test_kv_events_on_zmq_match_cache_and_reset(cluster):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not seen_clear:
             if sub.poll(500):
-                batch = msgpack.unpackb(sub.recv_multipart()[2])
-                seen_clear = any(ev["type"] == "AllBlocksCleared" for ev in batch["events"])
+                _, events, _ = msgpack.unpackb(sub.recv_multipart()[2])
+                seen_clear = any(ev["type"] == "AllBlocksCleared" for ev in events)
         assert seen_clear
         assert eng.cached_block_hashes() == set()
     finally:

@@ -30,13 +30,16 @@ def sim(
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="'simple' or a local tokenizer.json path"),
-    hash_algo: Optional[str] = typer.Option(None, "--prefix-caching-hash-algo", help="sha256 | sha256_cbor | xxhash"),
+    hash_algo: Optional[str] = typer.Option(None, "--prefix-caching-hash-algo", help="sha256 | sha256_cbor | xxhash | xxhash_cbor"),
     hash_seed: Optional[str] = typer.Option(None, "--hash-seed", help="vLLM's PYTHONHASHSEED value"),
     time_scale: Optional[float] = typer.Option(None, "--time-scale", help="virtual seconds per real second"),
     kv_port_base: Optional[int] = typer.Option(None, "--kv-events-port-base",
                                                help="ZMQ PUB port of engine 0 (+2i, replay = +1); default: free ports"),
     no_kv_events: bool = typer.Option(False, "--no-kv-events", help="do not publish KV events"),
-    array_like_events: bool = typer.Option(False, "--array-like-events", help="older vLLM's array encoding"),
+    vllm_format: Optional[str] = typer.Option(None, "--vllm-format",
+                                              help="KV-event wire format of vLLM 0.33 (default) | 0.22 | 0.11"),
+    array_like_events: bool = typer.Option(False, "--array-like-events",
+                                           help="the all-array encoding of the oldest vLLM releases and SGLang"),
     role: str = typer.Option("aggregated", "--role",
                              help="aggregated | prefill | decode | kv_both, or a comma list cycled over engines"),
     engine_prefix: str = typer.Option("engine", "--engine-prefix", help="engine ids are <prefix>-<i>"),
@@ -57,7 +60,7 @@ def sim(
         "tensor_parallel_size": tp, "block_size": block_size, "num_gpu_blocks": num_gpu_blocks,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": max_model_len, "tokenizer": tokenizer, "prefix_caching_hash_algo": hash_algo,
-        "hash_seed": hash_seed,
+        "hash_seed": hash_seed, "kv_events_format": vllm_format,
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     base["engine_id"] = f"{engine_prefix}-0"
