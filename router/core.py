@@ -12,16 +12,27 @@ from typing import Any, Sequence
 from router.plugins.base import Ctx
 from router.profiles import Profile, Strategy, load_strategy
 from router.types import BackendState, Decision, RoutingRequest, StageResult
+from streams.kv_keys import request_salt
 
 _EMPTY_STATUS = {"model-filter": "no_model", "not-busy-filter": "busy"}
 
 
 def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool) -> dict[str, int]:
-    """Prefix blocks cached per pod, from a KvIndex-like view (PodMatch objects or plain ints)."""
+    """Prefix blocks each pod could reuse for ``req``, from a KvIndex-like view (PodMatch objects
+    or plain ints).
+
+    As vLLM's scheduler: at most ``len(prompt) - 1`` tokens are reused (the last prompt token is
+    always computed, so a prompt of whole blocks reuses one block less), under the request's LoRA
+    adapter and cache salt (blocks cached for another adapter or salt are not reusable)."""
     if index_view is None:
         return {}
     if req.token_ids is not None and len(req.token_ids) > 0:
-        matches = index_view.match_tokens(req.model, req.token_ids)
+        ids = req.token_ids[: len(req.token_ids) - 1]
+        model = req.index_model or req.model
+        if req.lora is None and req.cache_salt is None:
+            matches = index_view.match_tokens(model, ids)
+        else:
+            matches = index_view.match_tokens(model, ids, lora=req.lora, salt=request_salt(req.cache_salt))
     elif req.keys and hasattr(index_view, "match_keys"):
         matches = index_view.match_keys(req.model, req.keys)
     else:

@@ -391,9 +391,14 @@ class RouterService:
         else:
             n = len(ids)
         lora = body.get("lora") if isinstance(body.get("lora"), str) else None
+        model = body["model"]
+        base = self.state.lora_base(model) if lora is None else None
+        if base is not None:  # vLLM selects a LoRA adapter by its name in "model"
+            lora = model
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         mt = body.get("max_completion_tokens") or body.get("max_tokens")
-        return RoutingRequest(model=body["model"], request_id=rid, token_ids=ids, prompt_tokens=n,
-                              max_tokens=mt, lora=lora)
+        return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
+                              max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
 
     def _decide(self, rreq: RoutingRequest) -> Decision:
         t = time.perf_counter()

@@ -41,6 +41,7 @@ class ClusterState:
         self._stale_s = cfg.metrics_stale_s
         self._backends: dict[str, BackendState] = {}
         self._list: list[BackendState] = []
+        self._lora_base: dict[str, str] = {}  # LoRA adapter -> base model
         self._marked = False  # some circuit_open flag may be set
         # changes whenever a backend's load or health fields may have changed (Router.decide's load_epoch)
         self.epoch = 0
@@ -147,7 +148,12 @@ class ClusterState:
             out[pod] = new
         self._backends = out
         self._list = list(out.values())
+        self._lora_base = {a: b.model for b in self._list for a in b.loras if a != b.model}
         self.epoch += 1
+
+    def lora_base(self, model: str) -> str | None:
+        """The base model of a LoRA adapter some backend serves (None for a base model)."""
+        return self._lora_base.get(model) if self._lora_base else None
 
     def snapshot(self) -> list[BackendState]:
         br = self.breakers

@@ -63,7 +63,9 @@ class RoutingRequest:
     keys: Sequence[int] | None = None  # approximate block keys when there are no token ids
     prompt_tokens: int = 0
     max_tokens: int | None = None
-    lora: str | None = None
+    lora: str | None = None  # the LoRA adapter's name (vLLM keys cached blocks by it)
+    cache_salt: str | None = None  # vLLM's per-request cache isolation salt (first block's extra key)
+    index_model: str | None = None  # the base model whose KV index to read, when ``model`` is a LoRA adapter
     exclude: frozenset[str] = frozenset()  # pods already tried (retries, migration)
 
 

@@ -92,9 +92,10 @@ async def test_kv_events_steer_prefix_requests_and_diagnosis_excludes(routed, pr
         recs.append(RequestRecord.from_json(msg.data))
     await sub.unsubscribe()
     assert len(recs) == 16
-    prefixed = [r for r in recs if r.best_overlap_blocks == blocks]
+    reusable = (len(ids) - 1) // 16  # vLLM computes the last prompt token even when it is cached
+    prefixed = [r for r in recs if r.best_overlap_blocks == reusable]
     assert len(prefixed) == 10  # 4 + 4 (b critical) + 2
-    assert sum(1 for r in prefixed if r.chosen_overlap_blocks == blocks and r.pods == ["b"]) == 6
+    assert sum(1 for r in prefixed if r.chosen_overlap_blocks == reusable and r.pods == ["b"]) == 6
     assert sum(1 for r in prefixed if r.chosen_overlap_blocks == 0 and r.pods != ["b"]) == 4
     assert all(r.status == "ok" and r.output_tokens == 2 and r.cached_tokens == 4 for r in recs)
     dsub = await js.subscribe(S.with_prefix(prefix, S.router_decisions("default")), ordered_consumer=True)

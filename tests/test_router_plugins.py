@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.core import Router
+from router.core import Router, overlaps_from_index
 from router.plugins import build_plugin
 from router.plugins.base import Ctx
 from router.profiles import build_strategy, builtin_names, load_strategy
@@ -18,7 +18,7 @@ def B(pod, **kw):
     return BackendState(pod=pod, url=f"http://{pod}", **kw)
 
 
-REQ = RoutingRequest(model="m", token_ids=list(range(64)), prompt_tokens=64)
+REQ = RoutingRequest(model="m", token_ids=list(range(65)), prompt_tokens=65)  # 4 blocks + 1 token
 
 
 @pytest.mark.parametrize("type_name,params,backends,req,ctx_kw,expect", [
@@ -328,3 +328,46 @@ def test_load_epoch_reuses_load_only_columns_until_it_changes():
     bs[1].active_tokens = 1000
     d = r.decide(RoutingRequest(model="m", prompt_tokens=16), bs, load_epoch=8)
     assert dict(zip(d.stages[0].pods, d.stages[0].columns["active"]))["b"] == 0.0
+
+
+def test_a_prompt_of_whole_blocks_reuses_one_block_less_as_vllm():
+    """vLLM always computes the last prompt token: a prompt of exactly 4 blocks reuses 3."""
+    idx = FakeIndex({"p1": 4})
+    whole = RoutingRequest(model="m", token_ids=list(range(64)), prompt_tokens=64)
+    assert overlaps_from_index(idx, whole, approximate=False) == {"p1": 3}
+    longer = RoutingRequest(model="m", token_ids=list(range(65)), prompt_tokens=65)
+    assert overlaps_from_index(idx, longer, approximate=False) == {"p1": 4}
+
+
+def test_lora_and_cache_salt_select_their_own_cached_blocks():
+    """Blocks cached under a LoRA adapter or a cache salt are reusable only by requests with
+    the same adapter and salt (the real index, keys from the stored events)."""
+    from schemas.kv import BlockStored, KvEventBatch
+    from streams.clock import ManualClock
+    from streams.kv_index import KvIndex
+    from streams.kv_keys import extra_salt
+
+    toks = list(range(1000, 1064))  # 4 blocks of 16
+    idx = KvIndex(ManualClock(0))
+
+    def store(pod, **kw):
+        idx.apply(KvEventBatch(pod=pod, model="base", seq=0, ts=1.0, events=[
+            BlockStored(block_hashes=[pod_hash * 10 + i for i in range(4)], token_ids=toks, block_size=16,
+                        **kw)]))
+
+    pod_hash = 1
+    store("plain")
+    pod_hash = 2
+    store("lora", lora_id=7, lora_name="sql-adapter",
+          block_salts=[extra_salt(("sql-adapter",), "sql-adapter")] * 4)  # vLLM: (lora_name,) on every block
+    pod_hash = 3
+    store("salted", block_salts=[extra_salt(("s3cr3t",)), 0, 0, 0])  # cache_salt: first block only
+
+    def matched(**kw):
+        r = RoutingRequest(model="base", token_ids=toks + [1], prompt_tokens=65, **kw)
+        return overlaps_from_index(idx, r, approximate=False)
+
+    assert matched() == {"plain": 4}
+    assert matched(lora="sql-adapter") == {"lora": 4}
+    assert matched(cache_salt="s3cr3t") == {"salted": 4}
+    assert matched(lora="other") == {} and matched(cache_salt="other") == {}
