@@ -17,7 +17,10 @@ Tables (rows of ``uint64``; capacity a power of two, linear probing, backward-sh
     ``em``  engine map, one row per (pod slot, tier, engine hash): ``[hash, holder + 1, key]``
             with ``holder = slot * 8 + tier``; resolves parents and removals.
     ``ex``  extra references, ``[key, holder + 1, count]``: the same key held by one pod and
-            tier under more than one engine hash (aliases), so a removal keeps the bit.
+            tier under more than one engine hash (aliases), so a removal keeps the bit; and
+            ``[hash ^ DUP_MARK, holder + 1, count]``: further physical blocks of one engine
+            hash (vLLM can compute the same block twice and then sends one ``BlockRemoved``
+            per physical block), so only the last removal drops it.
     ``sz``  row counts ``[kt, em, ex]``; ``cnt[slot, tier]`` engine hashes held.
 
 Operations arrive as flat arrays (one row per stored/removed event, hashes and tokens
@@ -42,6 +45,8 @@ PARENT_ROOT, PARENT_HASH, PARENT_KEY, KEYS_GIVEN = 0, 1, 2, 3
 S_STORED, S_REMOVED, S_UNKNOWN_PARENT, S_UNKNOWN_PARENT_BLOCKS, S_UNKNOWN_REMOVED, S_DUPLICATES, \
     S_ALIASES = range(7)
 N_STATS = 7
+
+DUP_MARK = U64(0xD1B54A32D192ED03)  # ex rows of extra physical copies are keyed hash ^ DUP_MARK
 
 # need flags (what to grow before the operation that did not fit)
 NEED_KT, NEED_EM, NEED_EX = 1, 2, 4
@@ -296,6 +301,19 @@ def _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats):
     _kt_delete(kt, sz, ki)
 
 
+@njit(inline="always", cache=True)
+def _drop_copy(ex, sz, a, b):
+    """Forget one extra physical copy ``(hash ^ DUP_MARK, holder + 1)``; False if there is none."""
+    x = _p_find(ex, a, b)
+    if x < 0:
+        return False
+    if ex[x, 2] > U64(1):
+        ex[x, 2] -= U64(1)
+    else:
+        _p_delete(ex, sz, 2, x)
+    return True
+
+
 @njit(cache=True)
 def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, start, stats):
     """Apply operations ``start..`` in order. Returns ``(next op, need flags)``; need is 0 when
@@ -341,6 +359,8 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
                 e = _p_find(em, hashes[h0 + i], b)
                 if e < 0:
                     stats[S_UNKNOWN_REMOVED] += 1
+                elif sz[2] > 0 and _drop_copy(ex, sz, hashes[h0 + i] ^ DUP_MARK, b):
+                    stats[S_REMOVED] += 1  # one of several physical copies: the block stays
                 else:
                     _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats)
             continue
@@ -390,9 +410,19 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
             e = _p_find(em, h, b)
             if e >= 0:
                 if em[e, 2] == k:
+                    # another physical block with the same content: count the copy
                     stats[S_DUPLICATES] += 1
+                    x = _p_find(ex, h ^ DUP_MARK, b)
+                    if x >= 0:
+                        ex[x, 2] += U64(1)
+                    else:
+                        _p_insert(ex, sz, 2, h ^ DUP_MARK, b, U64(1))
                     continue
                 # the engine reused a hash for other content: the new content wins
+                if sz[2] > 0:
+                    x = _p_find(ex, h ^ DUP_MARK, b)
+                    if x >= 0:
+                        _p_delete(ex, sz, 2, x)
                 _remove_at(kt, em, ex, sz, cnt, W, holder, e, stats)
             _add_one(kt, em, ex, sz, cnt, W, holder, h, k, stats)
     if sink == U64(0x5EED):  # keeps the touching loads from being optimised away

@@ -236,12 +236,32 @@ class _Model:
         if slot >= 64 * self.W:
             self._relayout(self.T, slot // 64 + 1)
 
+    def copies(self) -> dict[tuple[int, int], int]:
+        """(engine hash, holder + 1) -> extra physical copies, for hashes held more than once."""
+        ex = self.ex
+        if not self.sz[2]:
+            return {}
+        rows = ex[ex[:, 1] != 0]
+        em = self.em
+        held = set(zip(em[:, 0].tolist(), em[:, 1].tolist()))
+        mark = int(core.DUP_MARK)
+        out = {}
+        for a, b, c in rows.tolist():
+            if (a ^ mark, b) in held:
+                out[(a ^ mark, b)] = c
+        return out
+
     def held(self) -> dict[int, np.ndarray]:
-        """holder -> its (engine hash, key) rows, sorted."""
+        """holder -> its (engine hash, key) rows, sorted; a hash held by several physical blocks
+        appears once per block."""
         em = self.em
         rows = em[em[:, 1] != 0]
         if not len(rows):
             return {}
+        copies = self.copies()
+        if copies:
+            reps = np.array([1 + copies.get((a, b), 0) for a, b in rows[:, :2].tolist()], dtype=np.int64)
+            rows = np.repeat(rows, reps, axis=0)
         rows = rows[np.lexsort((rows[:, 2], rows[:, 0], rows[:, 1]))]
         holders = rows[:, 1]
         cuts = np.flatnonzero(np.diff(holders)) + 1

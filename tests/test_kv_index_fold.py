@@ -120,8 +120,28 @@ def test_bad_input_is_counted_not_corrupting(idx, case, events, expect_stats, ex
     for k, v in expect_stats.items():
         assert getattr(st, k) == v, case
     assert matched(idx, [1, 2]) == expect_match
-    if case != "alias hash":
+    if case not in ("alias hash", "duplicate store"):
         assert idx.state()["pods"]["a"][4] == before["pods"]["a"][4]
+
+
+def test_a_hash_held_by_two_physical_blocks_is_reference_counted(idx):
+    """vLLM can compute one block twice (two requests missed the cache at once): two
+    BlockStored with the same hash, later one BlockRemoved per physical block."""
+    f = Feed(idx)
+    f("a", stored([1, 2], [1, 2]))
+    f("a", stored([1, 2], [1, 2]))  # the second physical copy of both blocks
+    restored = KvIndex(ManualClock(0))
+    restored.apply_many(idx.dump())
+    assert restored == idx
+    for index in (idx, restored):
+        g = Feed(index)
+        g.seq = dict(f.seq)
+        g("a", BlockRemoved(block_hashes=[2]))
+        assert matched(index, [1, 2]) == {"a": 2}  # one copy of block 2 is still there
+        g("a", BlockRemoved(block_hashes=[2]))
+        assert matched(index, [1, 2]) == {"a": 1}
+        st = g("a", BlockRemoved(block_hashes=[2]))
+        assert st.unknown_removed == 1
 
 
 def test_alias_is_reference_counted(idx):
@@ -310,8 +330,10 @@ def batches_grouped(events):
 
 
 def model_truth(events) -> dict[str, set[tuple[int, ...]]]:
-    """Reference: per pod, the block paths it holds reachably (any medium), by replaying naively."""
+    """Reference: per pod, the block paths it holds reachably (any medium), by replaying naively.
+    A hash stored again with the same content is one more physical copy (one removal each)."""
     held: dict[tuple[str, str], dict[int, tuple]] = {}
+    copies: dict[tuple[str, str, int], int] = {}
     for pod, ev in events:
         if isinstance(ev, BlockStored):
             tier = ev.medium or "GPU"
@@ -329,11 +351,19 @@ def model_truth(events) -> dict[str, set[tuple[int, ...]]]:
             path = parent_path
             for i, h in enumerate(ev.block_hashes):
                 path = path + (tuple(ev.token_ids[i * BS:(i + 1) * BS]),)
+                same = mine.get(h) == path
+                copies[(pod, tier, h)] = copies.get((pod, tier, h), 0) + 1 if same else 1
                 mine[h] = path
         elif isinstance(ev, BlockRemoved):
-            mine = held.get((pod, ev.medium or "GPU"), {})
+            tier = ev.medium or "GPU"
+            mine = held.get((pod, tier), {})
             for h in ev.block_hashes:
-                mine.pop(h, None)
+                if h not in mine:
+                    continue
+                left = copies.get((pod, tier, h), 1) - 1
+                copies[(pod, tier, h)] = left
+                if left <= 0:
+                    mine.pop(h, None)
         elif isinstance(ev, AllBlocksCleared):
             for key in list(held):
                 if key[0] == pod and (ev.medium is None or key[1] == ev.medium):
