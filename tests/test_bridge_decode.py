@@ -193,3 +193,45 @@ def test_reset_event_is_a_valid_pod_reset():
     b = to_batch(norm, seq=0, epoch=1)
     assert b.events == [PodReset(reason="engine restart"), AllBlocksCleared()]
     assert b.msg_id == "pod-a:1:0"
+
+
+# --- SGLang's structs (python/sglang/srt/disaggregation/kv_events.py): all arrays, no dp rank ---
+class SgEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class SgKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class SgBlockStored(SgKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None]
+
+
+class SgBlockRemoved(SgKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+class SgAllBlocksCleared(SgKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class SgKVEventBatch(SgEventBatch):
+    events: list[Union[SgBlockStored, SgBlockRemoved, SgAllBlocksCleared]]
+
+
+def test_sglang_frames_decode():
+    toks = list(range(7, 7 + 8))
+    payload = msgspec.msgpack.encode(SgKVEventBatch(12.5, [
+        SgBlockStored([-5, 6], 4, toks, 4, None), SgBlockRemoved([6]), SgAllBlocksCleared()]))
+    norm = decode_frame(payload)
+    assert norm.skipped == {} and norm.dp_rank is None and norm.ts == 12.5
+    b = to_batch(norm)
+    assert b.events[0] == BlockStored(block_hashes=[(1 << 64) - 5, 6], parent_block_hash=4, token_ids=toks,
+                                      block_size=4, medium=None)
+    assert b.events[1] == BlockRemoved(block_hashes=[6]) and b.events[2] == AllBlocksCleared()
