@@ -18,7 +18,12 @@ of its batch goes on. Only a frame whose batch cannot be read at all raises
 
 Events the index cannot key are skipped and counted, never guessed: offload placeholders
 (``token_ids=[]``, ``block_size=0``), blocks of a KV-cache group other than the first
-(hybrid models: sliding-window and mamba groups hold no full prefix), and malformed ones.
+(hybrid models: sliding-window and mamba groups hold no full prefix), stores whose
+``token_ids`` cover more blocks than ``block_hashes`` (vLLM omits the hashes of a hybrid
+model's null blocks; counted as ``null_blocks``), and malformed ones. The field order of
+array events per release (0.11: up to ``medium``; 0.22 adds ``lora_name, extra_keys,
+group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window``) and 0.33's map fields are
+pinned by ``tests/test_kv_wire_vllm_fixtures.py``.
 
 ``extra_keys`` (vLLM >= 0.11: per block, the multimodal identifiers, LoRA name, cache salt and
 prompt-embedding hashes vLLM mixes into its block hash) become one 64-bit salt per block
@@ -221,7 +226,12 @@ def _convert(e: Any, out: list, counts: list[int]) -> None:
         if bs <= 0 or not e.token_ids:
             raise _Skip("no_tokens")  # offload placeholders: nothing to key them by
         hashes = _hashes(e.block_hashes)
-        if len(e.token_ids) != len(hashes) * bs:
+        n_tok = len(e.token_ids)
+        if n_tok != len(hashes) * bs:
+            if n_tok % bs == 0 and n_tok // bs > len(hashes):
+                # hybrid models: vLLM leaves the hashes of null (or masked) blocks out while
+                # token_ids still cover the whole range, so which tokens a hash covers is unknown
+                raise _Skip("null_blocks")
             raise _Skip("token_count")
         parent = e.parent_block_hash
         if parent is not None and not (type(parent) is int and 0 <= parent <= U64):
