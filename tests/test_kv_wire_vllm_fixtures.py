@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+import msgspec
+
 from consumers.kv_wire import FrameDecoder, OutCleared, OutRemoved, OutStored, decode_frame
 from streams.kv_keys import extra_salt
 from tests.fixtures import vllm as fx
@@ -26,10 +28,17 @@ def _expected(batch: dict):
     def skip(reason):
         skipped[reason] = skipped.get(reason, 0) + 1
 
+    full = {}  # group -> full attention, as learned from this batch's stores
     for e in batch["events"]:
         t = e["type"]
         if t == "BlockStored":
-            if (e.get("group_idx") or 0) > 0:
+            g, kind = e.get("group_idx"), e.get("kv_cache_spec_kind")
+            if kind is not None and g is not None:
+                full[g] = kind in ("full_attention", "mla_attention", "sink_full_attention")
+                if not full[g]:
+                    skip("partial_kv_group")
+                    continue
+            elif (g or 0) > 0:
                 skip("other_kv_group")
                 continue
             if not e["token_ids"] or e["block_size"] == 0:
@@ -47,8 +56,9 @@ def _expected(batch: dict):
                            e["token_ids"], e["block_size"], e["lora_id"], e.get("lora_name"),
                            e["medium"].upper() if e["medium"] else None, salts))
         elif t == "BlockRemoved":
-            if (e.get("group_idx") or 0) > 0:
-                skip("other_kv_group")
+            g = e.get("group_idx") or 0
+            if not full.get(g, g == 0):
+                skip("other_kv_group" if g not in full else "partial_kv_group")
                 continue
             events.append(("removed", [_h(x) for x in e["block_hashes"]], e["medium"]))
         else:
@@ -77,8 +87,10 @@ FRAMES = fx.all_frames()
 @pytest.mark.parametrize("frame", FRAMES, ids=[f"{f.version}-{f.name}" for f in FRAMES])
 def test_every_vllm_frame_decodes_to_what_vllm_encoded(frame):
     want, want_skipped = _expected(frame.expected)
-    for dec in (FrameDecoder(), decode_frame):  # fresh decoder, and the shared one (shape memory)
-        norm = dec.decode(frame.payload) if isinstance(dec, FrameDecoder) else dec(frame.payload)
+    other = FrameDecoder()
+    other.map_events = not other.map_events  # as if the last batch had the other event shape
+    for dec in (FrameDecoder(), other):
+        norm = dec.decode(frame.payload)
         assert _got(norm) == want
         assert norm.skipped == want_skipped
         assert norm.ts == frame.expected["ts"]
@@ -125,3 +137,24 @@ def test_one_corrupt_event_costs_only_itself_in_every_release():
         good = FrameDecoder().decode(f.payload)
         assert norm.skipped.get("undecodable_event") == 1
         assert _got(norm) == [e for e in _got(good)][len(_got(good)) - len(_got(norm)):]
+
+
+def test_removals_follow_what_their_group_taught():
+    """vLLM tags only stores with the group's kind; a later removal is judged by its group."""
+    def frame(*events):
+        return msgspec.msgpack.encode([1.0, list(events), 0])
+
+    toks = list(range(16))
+    dec = FrameDecoder()
+    n = dec.decode(frame({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": toks,
+                          "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+                          "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64},
+                         {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": toks,
+                          "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1,
+                          "kv_cache_spec_kind": "full_attention"}))
+    assert n.skipped == {"partial_kv_group": 1} and [e.block_hashes for e in n.events] == [[1]]
+    n = dec.decode(frame({"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 0},
+                         {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1},
+                         {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU", "group_idx": 5}))
+    assert n.skipped == {"partial_kv_group": 1, "other_kv_group": 1}
+    assert [(type(e), e.block_hashes) for e in n.events] == [(OutRemoved, [1])]
