@@ -62,7 +62,7 @@ class KvEventPublisher:
         self,
         endpoint: str = "tcp://127.0.0.1:0",
         replay_endpoint: str | None = None,
-        topic: str = "kv-events",
+        topic: str = "",
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         *,

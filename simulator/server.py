@@ -142,7 +142,7 @@ class SimEngine:
         port: int = 0,
         kv_endpoint: str | None = "tcp://127.0.0.1:0",
         replay_endpoint: str | None = "tcp://127.0.0.1:0",
-        kv_topic: str = "kv-events",
+        kv_topic: str = "",  # vLLM's KVEventsConfig.topic default
         time_scale: float = 1.0,
         registry: CollectorRegistry | None = None,
         peers: MutableMapping[str, "SimEngine"] | None = None,
