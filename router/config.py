@@ -6,7 +6,7 @@ Example::
       pool: default
       strategy: kv-aware            # or pd-kv-aware, round-robin, ... or a strategy YAML file
       port: 8080
-      tokenizer: simple             # or /models/qwen3/tokenizer.json (must match the engines)
+      tokenizer: auto               # or /models/qwen3/tokenizer.json, or simple (must match the engines)
       backends:                     # static; engines announced on NATS and Kubernetes pods join them
         - {pod: p0, url: "http://10.0.0.5:8000", model: Qwen/Qwen3-8B, role: prefill, group: g1}
         - {pod: d0, url: "http://10.0.0.6:8000", model: Qwen/Qwen3-8B, role: decode, group: g1}
@@ -56,7 +56,8 @@ class RouterConfig(_S):
     backends: list[StaticBackend] = Field(default_factory=list)
     kubernetes: KubernetesDiscovery = Field(default_factory=KubernetesDiscovery)
     bus: bool = Field(default=True, description="discovery, load, health and KV state from NATS")
-    tokenizer: str | None = Field(default="simple", description="'simple', a tokenizer.json path, or null")
+    tokenizer: str | None = Field(default="auto", description="'auto' (the model's tokenizer.json if on this "
+                                  "machine, else the toy one), 'simple', a tokenizer.json path, or null")
     tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
     block_size: int = Field(default=16, gt=0)
     kv_snapshot: str | None = Field(

@@ -754,7 +754,7 @@ class RouterService:
         else:
             # token ids when we can tokenize like the engine (no re-split at the join), else text
             prompt_ids = self.encoder.encode("completions", flow.body)
-            gen = self.encoder.encode("completions", {"prompt": flow.text}) if prompt_ids is not None else None
+            gen = self.encoder.encode_text(flow.body.get("model"), flow.text) if prompt_ids is not None else None
             p = body.get("prompt")
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
                 p = p[0]

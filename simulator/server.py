@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from simulator.config import EngineConfig, FaultConfig
 from simulator.engine_core import EngineCore, RemotePrefill, RequestOutput, StepResult, TransferError
 from simulator.kv_publisher import KvEventPublisher
-from simulator.tokenizer import load_tokenizer, prompt_to_ids
+from simulator.tokenizer import load_tokenizer, request_to_ids
 
 log = logging.getLogger(__name__)
 
@@ -634,7 +634,7 @@ class SimEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         try:
-            prompt_ids = prompt_to_ids(self.tokenizer, body.get("prompt"), body.get("prompt_token_ids"))
+            prompt_ids = request_to_ids(self.tokenizer, "completions", body)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
         return await self._generate(request, body, prompt_ids, chat=False)
@@ -645,7 +645,7 @@ class SimEngine:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
         try:
-            prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+            prompt_ids = request_to_ids(self.tokenizer, "chat", body)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         if not prompt_ids:
