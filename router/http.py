@@ -36,7 +36,11 @@ log = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is refused (431)
-_date = [0, b""]  # (second, "Date: ...\r\n"): formatted once a second
+_date = [0, b""]
+_TIMEOUT_BODY = (b'{"error": {"message": "request not received within timeout", "type": "invalid_request_error", '
+                 b'"param": null, "code": "request_timeout"}}')
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))  # (second, "Date: ...\r\n"): formatted once a second
 
 
 def _date_header() -> bytes:
@@ -465,9 +469,13 @@ class Server:
                 if c.idle_since and c.idle_since < limit:
                     c.transport.close()
                 elif c.reading_since and c.reading_since < slow:
-                    c.send(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\nContent-Length: 36\r\n"
-                           b"Connection: close\r\n\r\nrequest not received within timeout\n")
-                    c.transport.close()
+                    c.send(_TIMEOUT_408)
+                    # linger: the client may still be sending; a close with unread input would
+                    # reset the connection and the client would lose the answer
+                    c.reading_since = 0.0
+                    c._stopped = True
+                    c.close_after = True
+                    c._close()
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop listening; wait up to ``grace_s`` for running handlers; close every connection."""

@@ -23,6 +23,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router import openapi
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics
@@ -42,6 +43,11 @@ _json_encode = msgspec.json.encode
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 _RID = "rid"
 _JSON = "application/json"
+_BACKEND_HEADER = "X-InferNex-Backend"
+# OpenAI's error ``code`` is a string; these name the plain HTTP failures
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+          408: "request_timeout", 413: "body_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
+          500: "internal_error", 502: "upstream_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
@@ -54,7 +60,7 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
                    param: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or _CODES.get(status, str(status))}}
     return Response(status, _json_encode(body), _JSON, headers)
 
 
@@ -248,7 +254,7 @@ class RouterService:
             raise
         except Exception:  # noqa: BLE001 - never a stack trace to the client
             log.exception("internal error on %s (request %s)", request.path, rid)
-            resp = error_response(500, "internal router error", "server_error")
+            resp = error_response(500, "internal router error", "server_error", "internal_error")
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
         return resp
@@ -259,7 +265,7 @@ class RouterService:
             self.metrics.rejected.labels("body_size").inc()
             return error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
                                   code="body_too_large")
-        return error_response(e.status, e.message, code=str(e.status))
+        return error_response(e.status, e.message, code=_CODES.get(e.status, str(e.status)))
 
     def _authorize(self, request: Request, admin: bool) -> None:
         keys = [self._admin] if (admin and self._admin) else self._keys
@@ -360,27 +366,23 @@ class RouterService:
         try:
             body = _json_decode(raw)
         except msgspec.DecodeError:
-            raise ApiError(400, "request body is not valid JSON") from None
+            raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
     @staticmethod
     def _check_body(kind: str, body: dict[str, Any]) -> None:
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            raise ApiError(400, "'model' is required and must be a string", param="model")
-        if kind == "chat":
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise ApiError(400, "'messages' must be a non-empty list of {role, content}", param="messages")
-        elif body.get("prompt") is None and body.get("prompt_token_ids") is None:
-            raise ApiError(400, "'prompt' is required", param="prompt")
-        for k in ("max_tokens", "max_completion_tokens"):
-            v = body.get(k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ApiError(400, f"'{k}' must be a positive integer", param=k)
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        """The body against the endpoint's request model (router.openapi): wrong types are 400s here,
+        not errors deeper in the router."""
+        try:
+            openapi.check(kind, body)
+        except openapi.BadRequest as e:
+            raise ApiError(400, e.message, code="invalid_value", param=e.param) from None
 
     def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
         st = self.router.strategy
@@ -457,7 +459,7 @@ class RouterService:
             flow.decision = decision
             self._publish_decision(flow, decision)
             if not decision.ok:
-                err = self._decision_error(decision)
+                err = self._decision_error(decision, rreq)
                 if resp is not None:  # mid-migration: tell the client in-band
                     flow.status, flow.error = "error", err.message
                     await self._write_sse_error(resp, err.message)
@@ -512,9 +514,14 @@ class RouterService:
                 raise ApiError(502, f"no backend answered after {flow.retries} attempts", "server_error",
                                "upstream_unavailable")
 
-    def _decision_error(self, d: Decision) -> ApiError:
+    def _decision_error(self, d: Decision, rreq: RoutingRequest | None = None) -> ApiError:
         if d.status == "no_model":
             return ApiError(404, d.reason, "invalid_request_error", "model_not_found", "model")
+        lora = rreq.lora if rreq is not None else None
+        if lora and d.status == "no_backend" and not any(lora in b.loras for b in self.state.snapshot()):
+            # no backend holds the adapter at all: retrying will not help (404, not 503)
+            return ApiError(404, f"LoRA adapter {lora!r} is not served by any backend", "invalid_request_error",
+                            "model_not_found", "lora" if rreq.index_model is None else "model")
         if d.status == "busy":
             self.metrics.rejected.labels("busy").inc()
             return ApiError(503, "all backends are busy, retry later", "service_unavailable", "busy",
@@ -623,11 +630,12 @@ class RouterService:
                 pending = 0
                 flow.done = True
                 return Response(up.status, data, up.headers.get("content-type", _JSON),
-                                {"X-Request-Id": flow.rid}), None
+                                {"X-Request-Id": flow.rid, _BACKEND_HEADER: b.pod}), None
             # streaming pass-through, event by event
             if resp is None:
                 resp = StreamResponse(up.status, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no"})
+                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no",
+                                                  _BACKEND_HEADER: b.pod})
                 await resp.prepare(request)
             buf = b""
             try:
@@ -640,8 +648,10 @@ class RouterService:
                             break
                         ev, buf = buf[:i + 2], buf[i + 2:]
                         keep = self._on_event(flow, ev)
-                        if keep:
+                        if keep is True:
                             out += ev
+                        elif keep:
+                            out += keep  # the event rewritten
                     if out:
                         if pending and flow.first_token_t is not None:
                             self.state.first_token(b, pending)
@@ -670,8 +680,9 @@ class RouterService:
     def _headers(flow: _Flow) -> dict[str, str]:
         return {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
 
-    def _on_event(self, flow: _Flow, ev: bytes) -> bool:
-        """Track one SSE event; False drops it (the usage chunk the client did not ask for)."""
+    def _on_event(self, flow: _Flow, ev: bytes) -> bool | bytes:
+        """Track one SSE event; False drops it (the usage chunk the client did not ask for), bytes
+        replace it."""
         for line in ev.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -689,6 +700,8 @@ class RouterService:
             if isinstance(usage, dict):
                 self._account_usage(flow, usage)
             choices = obj.get("choices") or []
+            if flow.migrations and flow.kind == "chat" and choices:
+                return self._strip_role(obj, choices, flow)
             for c in choices:
                 if not isinstance(c, dict):
                     continue
@@ -706,6 +719,38 @@ class RouterService:
             if not choices and usage is not None and not flow.wants_usage:
                 return False
         return True
+
+    def _strip_role(self, obj: dict, choices: list, flow: _Flow) -> bool | bytes:
+        """A continuation's chunk after a migration: the client already had the ``role`` delta, so it
+        is removed (a chunk left with nothing is dropped); text is tracked as usual."""
+        changed = False
+        empty = True
+        for c in choices:
+            if not isinstance(c, dict):
+                empty = False
+                continue
+            delta = c.get("delta")
+            if isinstance(delta, dict):
+                if "role" in delta:
+                    del delta["role"]
+                    changed = True
+                piece = delta.get("content")
+                if piece and isinstance(piece, str):
+                    now = time.perf_counter()
+                    if flow.first_token_t is None:
+                        flow.first_token_t = now
+                    flow.last_token_t = now
+                    flow.text += piece
+                    flow.out_tokens += 1
+                if any(v for v in delta.values()):
+                    empty = False
+            if c.get("finish_reason") or c.get("logprobs"):
+                empty = False
+        if not changed:
+            return True
+        if empty and not obj.get("usage"):
+            return False
+        return _sse_event(obj)
 
     def _account_usage(self, flow: _Flow, usage: dict) -> None:
         pt = usage.get("prompt_tokens")
@@ -770,7 +815,8 @@ class RouterService:
 
     async def _write_sse_error(self, resp: StreamResponse, message: str) -> None:
         try:
-            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "code": 502}}))
+            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "param": None,
+                                                   "code": "upstream_error"}}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
