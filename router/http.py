@@ -408,6 +408,7 @@ class Server:
         self.request_timeout_s = request_timeout_s
         self._sweeper: asyncio.Task | None = None
         self.routes: dict[str, dict[str, Handler]] = {}
+        self.prefixes: list[tuple[str, dict[str, Handler]]] = []  # "/v1/models/" -> handlers (rest of path)
         self.wrap = wrap
         self._on_error = on_error
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -421,6 +422,16 @@ class Server:
         if method == "GET":
             self.routes[path].setdefault("HEAD", handler)
 
+    def add_prefix(self, method: str, prefix: str, handler: Handler) -> None:
+        """Route every path under ``prefix`` (looked up only when no exact route matches)."""
+        for p, methods in self.prefixes:
+            if p == prefix:
+                methods[method] = handler
+                return
+        self.prefixes.append((prefix, {method: handler}))
+        if method == "GET":
+            self.prefixes[-1][1].setdefault("HEAD", handler)
+
     async def on_error(self, request: Request | None, err: HttpError) -> Response:
         if self._on_error is not None:
             return await self._on_error(request, err)
@@ -431,11 +442,15 @@ class Server:
             raise request.error
         methods = self.routes.get(request.path)
         if methods is None:
+            methods = self._prefixed(request.path)
+        if methods is None:
             raise HttpError(404, f"no route for {request.path}")
         raise HttpError(405, f"method {request.method} not allowed on {request.path}")
 
     async def dispatch(self, request: Request) -> Any:
         methods = self.routes.get(request.path)
+        if methods is None and self.prefixes:
+            methods = self._prefixed(request.path)
         handler = methods.get(request.method) if methods else None
         if handler is None or request.error is not None:
             handler = self._not_routed
@@ -448,6 +463,12 @@ class Server:
         except Exception:  # noqa: BLE001 - a handler bug must not kill the connection silently
             log.exception("unhandled error on %s %s", request.method, request.path)
             return Response(500, b"internal server error", "text/plain")
+
+    def _prefixed(self, path: str) -> dict[str, Handler] | None:
+        for p, methods in self.prefixes:
+            if path.startswith(p) and len(path) > len(p):
+                return methods
+        return None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self.loop = asyncio.get_running_loop()

@@ -44,6 +44,9 @@ _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.Client
 _RID = "rid"
 _JSON = "application/json"
 _BACKEND_HEADER = "X-InferNex-Backend"
+# sent as they are to a backend serving the body's model
+_PASSTHROUGH = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/tokenize": "tokenize",
+                "/detokenize": "detokenize"}
 # OpenAI's error ``code`` is a string; these name the plain HTTP failures
 _CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
           408: "request_timeout", 413: "body_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
@@ -160,6 +163,7 @@ class RouterService:
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
+        self._engine_key, self._engine_keys = cfg.load_engine_keys()
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
         # request ids: a random 64-bit prefix per process and a counter (uuid4 costs a syscall each)
@@ -173,6 +177,7 @@ class RouterService:
         self.upstream: UpstreamPool | None = None  # inference requests (the hot path)
         self._tasks: list[asyncio.Task] = []
         self.url: str | None = None
+        self._openapi: bytes | None = None
         self.app = self._build_app()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -187,6 +192,13 @@ class RouterService:
         app.add("GET", "/metrics", self.prom)
         app.add("POST", "/v1/router/decide", self.decide)
         app.add("GET", "/v1/router/backends", self.backends)
+        # the surface vLLM users reach for: the API document, version, one model, pass-through
+        app.add("GET", "/openapi.json", self.openapi_doc)
+        app.add("GET", "/docs", self.docs)
+        app.add("GET", "/version", self.version)
+        app.add_prefix("GET", "/v1/models/", self.model)
+        for path, kind in _PASSTHROUGH.items():
+            app.add("POST", path, lambda r, path=path, kind=kind: self._passthrough(r, kind, path))
         return app
 
     async def open(self) -> None:
@@ -304,6 +316,9 @@ class RouterService:
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": await self._model_list()})
+
+    async def _model_list(self) -> list[dict]:
         backends = [b for b in self.state.snapshot() if not b.circuit_open]
         seen: dict[str, dict] = {}
 
@@ -324,7 +339,91 @@ class RouterService:
         for b in backends:
             for mid in (b.model, *b.loras):
                 seen.setdefault(mid, {"id": mid, "object": "model", "created": 0, "owned_by": "infernex"})
-        return json_response({"object": "list", "data": sorted(seen.values(), key=lambda m: m["id"])})
+        return sorted(seen.values(), key=lambda m: m["id"])
+
+    async def openapi_doc(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = _json_encode(openapi.document(_version()))
+        return Response(200, self._openapi, _JSON)
+
+    async def docs(self, request: Request) -> Response:
+        return Response(200, openapi.DOCS_HTML, "text/html; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": _version(), "name": "infernex-hermes-router"})
+
+    async def model(self, request: Request) -> Response:
+        """``/v1/models/{id}``: the id may hold slashes (``Qwen/Qwen3-8B``) and %-escapes."""
+        from urllib.parse import unquote
+
+        mid = unquote(request.path[len("/v1/models/"):])
+        for m in (await self._model_list()):
+            if m["id"] == mid:
+                return json_response(m)
+        raise ApiError(404, f"The model `{mid}` does not exist.", "invalid_request_error", "model_not_found",
+                       "model")
+
+    async def _passthrough(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
+        """Embeddings, Responses, tokenize, detokenize: checked, then sent unchanged to a backend serving
+        the model (connect failures go to another one); the answer, streamed or not, comes back as is."""
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError(503, "router is draining", "service_unavailable", "draining",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        body = await self._read_json(request)
+        self._check_body(kind, body)
+        rid = request[_RID]
+        model = body["model"]
+        base = self.state.lora_base(model)
+        rreq = RoutingRequest(model=model, request_id=rid, prompt_tokens=max(1, len(request.body) // 4),
+                              lora=model if base else None, index_model=base)
+        exclude: set[str] = set()
+        headers = {"X-Request-Id": rid, "Content-Type": "application/json"}
+        for _ in range(self.cfg.max_retries + 1):
+            rreq.exclude = frozenset(exclude)
+            d = self._decide(rreq)
+            if not d.ok:
+                raise self._decision_error(d, rreq)
+            b = d.target
+            self.state.started(b, 0, 0)
+            up: UpstreamResponse | None = None
+            try:
+                try:
+                    up = await self.upstream.post(b.url, path, request.body, self._upstream_headers(b, headers))
+                except _UPSTREAM_ERRORS as e:
+                    log.warning("connect to %s failed for %s: %s", b.pod, rid, type(e).__name__)
+                    self.state.breakers.failure(b.pod)
+                    exclude.add(b.pod)
+                    continue
+                self.state.breakers.success(b.pod)
+                ctype = up.headers.get("content-type", _JSON)
+                out_headers = {"X-Request-Id": rid, _BACKEND_HEADER: b.pod}
+                if not ctype.startswith("text/event-stream"):
+                    try:
+                        data = await up.read()
+                    except _UPSTREAM_ERRORS:
+                        raise ApiError(502, f"backend {b.pod} broke off its answer", "server_error",
+                                       "upstream_error") from None
+                    return Response(up.status, data, ctype, out_headers)
+                resp = StreamResponse(up.status, {"Content-Type": ctype, "Cache-Control": "no-cache", **out_headers})
+                await resp.prepare(request)
+                try:
+                    async for chunk in up.iter_any():
+                        await resp.write(chunk)
+                except _UPSTREAM_ERRORS:
+                    log.warning("backend %s failed mid-stream for %s", b.pod, rid)
+                    return resp
+                await resp.write_eof()
+                return resp
+            finally:
+                if up is not None:
+                    if up.at_eof():
+                        up.release()
+                    else:
+                        up.close()
+                self.state.finished(b, 0, 0)
+        raise ApiError(502, f"no backend answered after {len(exclude)} attempts", "server_error",
+                       "upstream_unavailable")
 
     async def backends(self, request: Request) -> Response:
         infos = self._index_pods()
@@ -572,7 +671,7 @@ class RouterService:
         self.state.breakers.attempt(pb.pod)
         self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
         try:
-            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow))
+            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow, pb))
             try:
                 data = await r.read()
             finally:
@@ -604,7 +703,7 @@ class RouterService:
         try:
             try:
                 data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
-                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow))
+                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow, b))
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
                 return resp, "connect"
@@ -676,9 +775,16 @@ class RouterService:
                     up.close()  # closes the connection: the engine sees the cancel
             self.state.finished(b, flow.rreq.prompt_tokens, pending)
 
-    @staticmethod
-    def _headers(flow: _Flow) -> dict[str, str]:
-        return {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
+    def _headers(self, flow: _Flow, b: BackendState | None = None) -> dict[str, str]:
+        h = {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
+        return self._upstream_headers(b, h) if b is not None else h
+
+    def _upstream_headers(self, b: BackendState, h: dict[str, str]) -> dict[str, str]:
+        """``Authorization: Bearer`` for engines started with ``--api-key`` (per backend, else global)."""
+        key = self._engine_keys.get(b.pod, self._engine_key)
+        if key is not None:
+            h["Authorization"] = key
+        return h
 
     def _on_event(self, flow: _Flow, ev: bytes) -> bool | bytes:
         """Track one SSE event; False drops it (the usage chunk the client did not ask for), bytes
@@ -864,6 +970,15 @@ class RouterService:
             best_overlap_blocks=d.best_overlap_blocks if d else 0,
             chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
             retries=flow.retries, migrations=flow.migrations, stream=flow.stream), msg_id=f"req:{flow.rid}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("infernex")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "0.0.0+source"
 
 
 def _upstream_message(data: bytes) -> str:
