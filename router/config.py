@@ -22,6 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from router.admission import AdmissionConfig
+
 
 class _S(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,6 +89,7 @@ class RouterConfig(_S):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     request_timeout_s: float = Field(default=30.0, gt=0,
                                      description="a request must arrive whole within this long of its first byte (else 408)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     # records
     records: bool = True
     records_buffer: int = Field(default=10_000, gt=0)

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import openapi
+from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics
@@ -106,6 +107,8 @@ class _Flow:
     http_status: int = 200
     error: str | None = None
     done: bool = False
+    key: str = "-"  # the client (API key or address) for quotas and fairness
+    queue_s: float = 0.0  # time spent waiting for a backend slot
 
 
 class RouterMetrics:
@@ -164,6 +167,7 @@ class RouterService:
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
+        self.admission = Admission(cfg.admission)
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
         # request ids: a random 64-bit prefix per process and a counter (uuid4 costs a syscall each)
@@ -246,6 +250,7 @@ class RouterService:
         while True:
             await asyncio.sleep(1.0)
             self.state.refresh()
+            self.admission.resync(self.state.snapshot())
 
     # -- middleware: request id, auth, limits, errors ---------------------------------------
     async def _middleware(self, request: Request, handler):
@@ -377,15 +382,25 @@ class RouterService:
         base = self.state.lora_base(model)
         rreq = RoutingRequest(model=model, request_id=rid, prompt_tokens=max(1, len(request.body) // 4),
                               lora=model if base else None, index_model=base)
+        key = self._client_key(request)
+        self._enter(key)
+        try:
+            return await self._passthrough_run(request, rreq, path, key)
+        finally:
+            self.admission.leave(key)
+
+    async def _passthrough_run(self, request: Request, rreq: RoutingRequest, path: str,
+                               key: str) -> Response | StreamResponse:
+        rid = rreq.request_id
+        t0 = time.perf_counter()
         exclude: set[str] = set()
         headers = {"X-Request-Id": rid, "Content-Type": "application/json"}
         for _ in range(self.cfg.max_retries + 1):
-            rreq.exclude = frozenset(exclude)
-            d = self._decide(rreq)
+            d, _ = await self._admit(rreq, exclude, key, t0)
             if not d.ok:
                 raise self._decision_error(d, rreq)
             b = d.target
-            self.state.started(b, 0, 0)
+            self._started(b, 0, 0)
             up: UpstreamResponse | None = None
             try:
                 try:
@@ -421,7 +436,7 @@ class RouterService:
                         up.release()
                     else:
                         up.close()
-                self.state.finished(b, 0, 0)
+                self._finished(b, 0, 0)
         raise ApiError(502, f"no backend answered after {len(exclude)} attempts", "server_error",
                        "upstream_unavailable")
 
@@ -431,6 +446,7 @@ class RouterService:
         for b in self.state.snapshot():
             d = b.public()
             d["circuit"] = self.state.breakers.state(b.pod)
+            d["max_inflight"] = self.admission.cap(b)
             info = infos.get(b.pod)
             d["cached_blocks"] = sum(info.blocks.values()) if info is not None else 0
             d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
@@ -508,6 +524,62 @@ class RouterService:
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
+    def _started(self, b: BackendState, prompt_tokens: int, prefill_tokens: int) -> None:
+        self.state.started(b, prompt_tokens, prefill_tokens)
+        self.admission.started(b)
+
+    def _finished(self, b: BackendState, prompt_tokens: int, prefill_tokens_left: int) -> None:
+        self.state.finished(b, prompt_tokens, prefill_tokens_left)
+        self.admission.finished(b)
+
+    @staticmethod
+    def _client_key(request: Request) -> str:
+        auth = request.headers.get("authorization")
+        return auth if auth else (request.remote or "-")
+
+    def _enter(self, key: str) -> None:
+        try:
+            self.admission.enter(key)
+        except Refused as e:
+            self.metrics.rejected.labels("quota").inc()
+            raise ApiError(e.status, e.message, "rate_limit_error", e.code,
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+
+    async def _admit(self, rreq: RoutingRequest, exclude: set[str], key: str, t0: float) -> tuple[Decision, float]:
+        """A decision over the backends with a free slot; when all that could serve the request are
+        at their cap, wait in the model's queue (bounded, with a deadline) -> (decision, seconds queued)."""
+        adm = self.admission
+        if not adm.cfg.enabled:
+            if exclude:
+                rreq.exclude = frozenset(exclude)
+            return self._decide(rreq), 0.0
+        qkey = rreq.index_model or rreq.model
+        queued = 0.0
+        jump = adm.waiting(qkey)  # others wait for this model already: queue behind them
+        while True:
+            if not jump:
+                full = adm.full
+                ex = (exclude | full) if full else exclude
+                if ex or rreq.exclude:
+                    rreq.exclude = frozenset(ex)
+                d = self._decide(rreq)
+                if d.ok or not full:
+                    return d, queued
+                rreq.exclude = frozenset(exclude)
+                d2 = self._decide(rreq)
+                if not d2.ok:
+                    return d2, queued  # not for lack of slots
+            jump = False
+            t = time.perf_counter()
+            try:
+                await adm.wait(qkey, key, t0 + adm.cfg.queue_timeout_s - t)
+            except Refused as e:
+                self.metrics.rejected.labels(e.code).inc()
+                raise ApiError(e.status, e.message, "service_unavailable", e.code,
+                               headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+            finally:
+                queued += time.perf_counter() - t
+
     async def _inference(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
@@ -523,6 +595,8 @@ class RouterService:
         if stream:
             so = body.get("stream_options")
             flow.wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        flow.key = self._client_key(request)
+        self._enter(flow.key)
         self.inflight += 1
         self._idle.clear()
         resp: StreamResponse | None = None
@@ -540,6 +614,7 @@ class RouterService:
             flow.http_status, flow.error = e.status, e.message
             raise
         finally:
+            self.admission.leave(flow.key)
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
@@ -552,9 +627,8 @@ class RouterService:
         body = flow.body
         while True:
             rreq = flow.rreq
-            if flow.exclude:
-                rreq.exclude = frozenset(flow.exclude)
-            decision = self._decide(rreq)
+            decision, waited = await self._admit(rreq, flow.exclude, flow.key, flow.t0)
+            flow.queue_s += waited
             flow.decision = decision
             self._publish_decision(flow, decision)
             if not decision.ok:
@@ -669,7 +743,7 @@ class RouterService:
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         self.state.breakers.attempt(pb.pod)
-        self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+        self._started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
         try:
             r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow, pb))
             try:
@@ -691,13 +765,13 @@ class RouterService:
             self.metrics.retries.labels("prefill").inc()
             return None
         finally:
-            self.state.finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+            self._finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
 
     async def _forward(self, request: Request, flow: _Flow, b: BackendState, body: dict[str, Any],
                        resp: StreamResponse | None, prefill_tokens: int):
         """Send to ``b``: ``(client response, None)`` when done, ``(response or None, reason)`` on failure."""
         self.state.breakers.attempt(b.pod)
-        self.state.started(b, flow.rreq.prompt_tokens, prefill_tokens)
+        self._started(b, flow.rreq.prompt_tokens, prefill_tokens)
         pending = prefill_tokens
         up: UpstreamResponse | None = None
         try:
@@ -773,7 +847,7 @@ class RouterService:
                     up.release()
                 else:
                     up.close()  # closes the connection: the engine sees the cancel
-            self.state.finished(b, flow.rreq.prompt_tokens, pending)
+            self._finished(b, flow.rreq.prompt_tokens, pending)
 
     def _headers(self, flow: _Flow, b: BackendState | None = None) -> dict[str, str]:
         h = {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
