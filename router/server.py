@@ -36,6 +36,7 @@ from router.tokenize import PromptEncoder
 from router.types import BackendState, Decision, RoutingRequest
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from schemas.records import RequestRecord
+from schemas.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -447,6 +448,7 @@ class RouterService:
             d = b.public()
             d["circuit"] = self.state.breakers.state(b.pod)
             d["max_inflight"] = self.admission.cap(b)
+            d["url"] = redact_url(b.url)
             info = infos.get(b.pod)
             d["cached_blocks"] = sum(info.blocks.values()) if info is not None else 0
             d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
