@@ -71,7 +71,10 @@ async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
         # nats-py keeps retrying the first connect when reconnects are allowed; bound it.
         return await asyncio.wait_for(nats.connect(**opts), timeout=cfg.connect_timeout_s * 2)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise ConnectionError(f"cannot connect to NATS at {', '.join(cfg.servers)}: {exc}") from exc
+        from schemas.redact import redact, redact_url
+
+        where = ", ".join(redact_url(s) for s in cfg.servers)
+        raise ConnectionError(redact(f"cannot connect to NATS at {where}: {exc}")) from None
 
 
 def to_stream_config(spec: StreamSpec) -> StreamConfig:

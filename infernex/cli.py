@@ -41,9 +41,14 @@ def _root(
     try:
         settings = load_settings(config, **overrides)
     except Exception as exc:  # noqa: BLE001 - shown to the user as a clear error
-        err_console.print(f"[red]invalid settings:[/red] {exc}")
+        from schemas.redact import redact
+
+        err_console.print(f"[red]invalid settings:[/red] {redact(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from schemas.redact import install_log_redaction
+
+    install_log_redaction()  # URLs with credentials, keys and tokens never reach a log line
     if settings.log_level.upper() != "DEBUG":
         for noisy in ("httpx", "httpcore", "aiohttp.access", "matplotlib"):
             logging.getLogger(noisy).setLevel(logging.WARNING)

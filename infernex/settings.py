@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from consumers.indexer import IndexerConfig
@@ -71,8 +71,40 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, yaml_source, file_secret_settings)
 
 
+class SettingsError(ValueError):
+    """Invalid settings, told without the offending values (they may be secrets)."""
+
+
+def _secrets(s: Settings) -> list[str]:
+    r = s.router
+    keys = [s.api_key, s.nats.token, s.nats.password, r.admin_key, r.engine_api_key, *r.api_keys,
+            *(b.api_key for b in r.backends)]
+    return [k.get_secret_value() for k in keys if k is not None]
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Build the settings; ``config_file`` wins over ``$INFERNEX_CONFIG``."""
+    """Build the settings; ``config_file`` wins over ``$INFERNEX_CONFIG``. Errors never echo input
+    values; the secrets loaded are registered for redaction in logs (:mod:`schemas.redact`)."""
+    from schemas.redact import redact, register
+
+    try:
+        s = _load(config_file, **overrides)
+    except ValidationError as exc:
+        lines = [f"{e['msg']} (at {'.'.join(map(str, e['loc'])) or 'top level'})"
+                 for e in exc.errors(include_url=False, include_input=False, include_context=False)]
+        raise SettingsError(redact(f"{exc.error_count()} invalid setting(s): " + "; ".join(lines))) from None
+    register(_secrets(s))
+    return s
+
+
+def redacted_dump(s: Settings) -> dict[str, Any]:
+    """The settings as JSON data for display: secrets masked, credentials in URLs redacted."""
+    from schemas.redact import redact_obj
+
+    return redact_obj(s.model_dump(mode="json"))
+
+
+def _load(config_file: Path | None = None, **overrides: Any) -> Settings:
     if config_file is not None:
         old = os.environ.get("INFERNEX_CONFIG")
         os.environ["INFERNEX_CONFIG"] = str(config_file)

@@ -22,6 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from router.admission import AdmissionConfig
+
 
 class _S(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -35,6 +37,8 @@ class StaticBackend(_S):
     group: str | None = None
     loras: list[str] = Field(default_factory=list)
     node: str | None = None
+    api_key: SecretStr | None = Field(default=None, description="this engine's --api-key (else engine_api_key)")
+    max_inflight: int | None = Field(default=None, gt=0, description="admission cap (else from max_num_seqs)")
 
 
 class KubernetesDiscovery(_S):
@@ -79,14 +83,28 @@ class RouterConfig(_S):
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_keys_file: Path | None = Field(default=None, description="one key per line")
     admin_key: SecretStr | None = None
+    engine_api_key: SecretStr | None = Field(default=None, description="sent as 'Authorization: Bearer' to engines")
+    engine_api_key_file: Path | None = Field(default=None, description="the engine key in a file (a mounted Secret)")
     rate_limit_rps: float | None = Field(default=None, gt=0, description="per API key")
     rate_limit_burst: int = Field(default=20, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     request_timeout_s: float = Field(default=30.0, gt=0,
                                      description="a request must arrive whole within this long of its first byte (else 408)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     # records
     records: bool = True
     records_buffer: int = Field(default=10_000, gt=0)
+
+    def load_engine_keys(self) -> tuple[str | None, dict[str, str]]:
+        """(global ``Authorization`` value or None, per static backend pod -> value)."""
+        key = self.engine_api_key.get_secret_value() if self.engine_api_key else None
+        if self.engine_api_key_file is not None:
+            try:
+                key = self.engine_api_key_file.read_text().strip() or key
+            except OSError as exc:
+                raise ValueError(f"engine_api_key_file {self.engine_api_key_file}: {exc.strerror}") from None
+        per = {b.pod: "Bearer " + b.api_key.get_secret_value() for b in self.backends if b.api_key is not None}
+        return ("Bearer " + key if key else None), per
 
     def load_api_keys(self) -> list[str]:
         keys = [k.get_secret_value() for k in self.api_keys]

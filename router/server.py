@@ -23,6 +23,8 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router import openapi
+from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics
@@ -34,6 +36,7 @@ from router.tokenize import PromptEncoder
 from router.types import BackendState, Decision, RoutingRequest
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from schemas.records import RequestRecord
+from schemas.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,14 @@ _json_encode = msgspec.json.encode
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 _RID = "rid"
 _JSON = "application/json"
+_BACKEND_HEADER = "X-InferNex-Backend"
+# sent as they are to a backend serving the body's model
+_PASSTHROUGH = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/tokenize": "tokenize",
+                "/detokenize": "detokenize"}
+# OpenAI's error ``code`` is a string; these name the plain HTTP failures
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+          408: "request_timeout", 413: "body_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
+          500: "internal_error", 502: "upstream_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
@@ -54,7 +65,7 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
                    param: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or _CODES.get(status, str(status))}}
     return Response(status, _json_encode(body), _JSON, headers)
 
 
@@ -97,6 +108,8 @@ class _Flow:
     http_status: int = 200
     error: str | None = None
     done: bool = False
+    key: str = "-"  # the client (API key or address) for quotas and fairness
+    queue_s: float = 0.0  # time spent waiting for a backend slot
 
 
 class RouterMetrics:
@@ -154,6 +167,8 @@ class RouterService:
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
+        self._engine_key, self._engine_keys = cfg.load_engine_keys()
+        self.admission = Admission(cfg.admission)
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
         # request ids: a random 64-bit prefix per process and a counter (uuid4 costs a syscall each)
@@ -167,6 +182,7 @@ class RouterService:
         self.upstream: UpstreamPool | None = None  # inference requests (the hot path)
         self._tasks: list[asyncio.Task] = []
         self.url: str | None = None
+        self._openapi: bytes | None = None
         self.app = self._build_app()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -181,6 +197,13 @@ class RouterService:
         app.add("GET", "/metrics", self.prom)
         app.add("POST", "/v1/router/decide", self.decide)
         app.add("GET", "/v1/router/backends", self.backends)
+        # the surface vLLM users reach for: the API document, version, one model, pass-through
+        app.add("GET", "/openapi.json", self.openapi_doc)
+        app.add("GET", "/docs", self.docs)
+        app.add("GET", "/version", self.version)
+        app.add_prefix("GET", "/v1/models/", self.model)
+        for path, kind in _PASSTHROUGH.items():
+            app.add("POST", path, lambda r, path=path, kind=kind: self._passthrough(r, kind, path))
         return app
 
     async def open(self) -> None:
@@ -228,6 +251,7 @@ class RouterService:
         while True:
             await asyncio.sleep(1.0)
             self.state.refresh()
+            self.admission.resync(self.state.snapshot())
 
     # -- middleware: request id, auth, limits, errors ---------------------------------------
     async def _middleware(self, request: Request, handler):
@@ -248,7 +272,7 @@ class RouterService:
             raise
         except Exception:  # noqa: BLE001 - never a stack trace to the client
             log.exception("internal error on %s (request %s)", request.path, rid)
-            resp = error_response(500, "internal router error", "server_error")
+            resp = error_response(500, "internal router error", "server_error", "internal_error")
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
         return resp
@@ -259,7 +283,7 @@ class RouterService:
             self.metrics.rejected.labels("body_size").inc()
             return error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
                                   code="body_too_large")
-        return error_response(e.status, e.message, code=str(e.status))
+        return error_response(e.status, e.message, code=_CODES.get(e.status, str(e.status)))
 
     def _authorize(self, request: Request, admin: bool) -> None:
         keys = [self._admin] if (admin and self._admin) else self._keys
@@ -298,6 +322,9 @@ class RouterService:
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": await self._model_list()})
+
+    async def _model_list(self) -> list[dict]:
         backends = [b for b in self.state.snapshot() if not b.circuit_open]
         seen: dict[str, dict] = {}
 
@@ -318,7 +345,101 @@ class RouterService:
         for b in backends:
             for mid in (b.model, *b.loras):
                 seen.setdefault(mid, {"id": mid, "object": "model", "created": 0, "owned_by": "infernex"})
-        return json_response({"object": "list", "data": sorted(seen.values(), key=lambda m: m["id"])})
+        return sorted(seen.values(), key=lambda m: m["id"])
+
+    async def openapi_doc(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = _json_encode(openapi.document(_version()))
+        return Response(200, self._openapi, _JSON)
+
+    async def docs(self, request: Request) -> Response:
+        return Response(200, openapi.DOCS_HTML, "text/html; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": _version(), "name": "infernex-hermes-router"})
+
+    async def model(self, request: Request) -> Response:
+        """``/v1/models/{id}``: the id may hold slashes (``Qwen/Qwen3-8B``) and %-escapes."""
+        from urllib.parse import unquote
+
+        mid = unquote(request.path[len("/v1/models/"):])
+        for m in (await self._model_list()):
+            if m["id"] == mid:
+                return json_response(m)
+        raise ApiError(404, f"The model `{mid}` does not exist.", "invalid_request_error", "model_not_found",
+                       "model")
+
+    async def _passthrough(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
+        """Embeddings, Responses, tokenize, detokenize: checked, then sent unchanged to a backend serving
+        the model (connect failures go to another one); the answer, streamed or not, comes back as is."""
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError(503, "router is draining", "service_unavailable", "draining",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        body = await self._read_json(request)
+        self._check_body(kind, body)
+        rid = request[_RID]
+        model = body["model"]
+        base = self.state.lora_base(model)
+        rreq = RoutingRequest(model=model, request_id=rid, prompt_tokens=max(1, len(request.body) // 4),
+                              lora=model if base else None, index_model=base)
+        key = self._client_key(request)
+        self._enter(key)
+        try:
+            return await self._passthrough_run(request, rreq, path, key)
+        finally:
+            self.admission.leave(key)
+
+    async def _passthrough_run(self, request: Request, rreq: RoutingRequest, path: str,
+                               key: str) -> Response | StreamResponse:
+        rid = rreq.request_id
+        t0 = time.perf_counter()
+        exclude: set[str] = set()
+        headers = {"X-Request-Id": rid, "Content-Type": "application/json"}
+        for _ in range(self.cfg.max_retries + 1):
+            d, _ = await self._admit(rreq, exclude, key, t0)
+            if not d.ok:
+                raise self._decision_error(d, rreq)
+            b = d.target
+            self._started(b, 0, 0)
+            up: UpstreamResponse | None = None
+            try:
+                try:
+                    up = await self.upstream.post(b.url, path, request.body, self._upstream_headers(b, headers))
+                except _UPSTREAM_ERRORS as e:
+                    log.warning("connect to %s failed for %s: %s", b.pod, rid, type(e).__name__)
+                    self.state.breakers.failure(b.pod)
+                    exclude.add(b.pod)
+                    continue
+                self.state.breakers.success(b.pod)
+                ctype = up.headers.get("content-type", _JSON)
+                out_headers = {"X-Request-Id": rid, _BACKEND_HEADER: b.pod}
+                if not ctype.startswith("text/event-stream"):
+                    try:
+                        data = await up.read()
+                    except _UPSTREAM_ERRORS:
+                        raise ApiError(502, f"backend {b.pod} broke off its answer", "server_error",
+                                       "upstream_error") from None
+                    return Response(up.status, data, ctype, out_headers)
+                resp = StreamResponse(up.status, {"Content-Type": ctype, "Cache-Control": "no-cache", **out_headers})
+                await resp.prepare(request)
+                try:
+                    async for chunk in up.iter_any():
+                        await resp.write(chunk)
+                except _UPSTREAM_ERRORS:
+                    log.warning("backend %s failed mid-stream for %s", b.pod, rid)
+                    return resp
+                await resp.write_eof()
+                return resp
+            finally:
+                if up is not None:
+                    if up.at_eof():
+                        up.release()
+                    else:
+                        up.close()
+                self._finished(b, 0, 0)
+        raise ApiError(502, f"no backend answered after {len(exclude)} attempts", "server_error",
+                       "upstream_unavailable")
 
     async def backends(self, request: Request) -> Response:
         infos = self._index_pods()
@@ -326,6 +447,8 @@ class RouterService:
         for b in self.state.snapshot():
             d = b.public()
             d["circuit"] = self.state.breakers.state(b.pod)
+            d["max_inflight"] = self.admission.cap(b)
+            d["url"] = redact_url(b.url)
             info = infos.get(b.pod)
             d["cached_blocks"] = sum(info.blocks.values()) if info is not None else 0
             d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
@@ -360,27 +483,23 @@ class RouterService:
         try:
             body = _json_decode(raw)
         except msgspec.DecodeError:
-            raise ApiError(400, "request body is not valid JSON") from None
+            raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
     @staticmethod
     def _check_body(kind: str, body: dict[str, Any]) -> None:
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            raise ApiError(400, "'model' is required and must be a string", param="model")
-        if kind == "chat":
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise ApiError(400, "'messages' must be a non-empty list of {role, content}", param="messages")
-        elif body.get("prompt") is None and body.get("prompt_token_ids") is None:
-            raise ApiError(400, "'prompt' is required", param="prompt")
-        for k in ("max_tokens", "max_completion_tokens"):
-            v = body.get(k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ApiError(400, f"'{k}' must be a positive integer", param=k)
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        """The body against the endpoint's request model (router.openapi): wrong types are 400s here,
+        not errors deeper in the router."""
+        try:
+            openapi.check(kind, body)
+        except openapi.BadRequest as e:
+            raise ApiError(400, e.message, code="invalid_value", param=e.param) from None
 
     def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
         st = self.router.strategy
@@ -407,6 +526,62 @@ class RouterService:
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
+    def _started(self, b: BackendState, prompt_tokens: int, prefill_tokens: int) -> None:
+        self.state.started(b, prompt_tokens, prefill_tokens)
+        self.admission.started(b)
+
+    def _finished(self, b: BackendState, prompt_tokens: int, prefill_tokens_left: int) -> None:
+        self.state.finished(b, prompt_tokens, prefill_tokens_left)
+        self.admission.finished(b)
+
+    @staticmethod
+    def _client_key(request: Request) -> str:
+        auth = request.headers.get("authorization")
+        return auth if auth else (request.remote or "-")
+
+    def _enter(self, key: str) -> None:
+        try:
+            self.admission.enter(key)
+        except Refused as e:
+            self.metrics.rejected.labels("quota").inc()
+            raise ApiError(e.status, e.message, "rate_limit_error", e.code,
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+
+    async def _admit(self, rreq: RoutingRequest, exclude: set[str], key: str, t0: float) -> tuple[Decision, float]:
+        """A decision over the backends with a free slot; when all that could serve the request are
+        at their cap, wait in the model's queue (bounded, with a deadline) -> (decision, seconds queued)."""
+        adm = self.admission
+        if not adm.cfg.enabled:
+            if exclude:
+                rreq.exclude = frozenset(exclude)
+            return self._decide(rreq), 0.0
+        qkey = rreq.index_model or rreq.model
+        queued = 0.0
+        jump = adm.waiting(qkey)  # others wait for this model already: queue behind them
+        while True:
+            if not jump:
+                full = adm.full
+                ex = (exclude | full) if full else exclude
+                if ex or rreq.exclude:
+                    rreq.exclude = frozenset(ex)
+                d = self._decide(rreq)
+                if d.ok or not full:
+                    return d, queued
+                rreq.exclude = frozenset(exclude)
+                d2 = self._decide(rreq)
+                if not d2.ok:
+                    return d2, queued  # not for lack of slots
+            jump = False
+            t = time.perf_counter()
+            try:
+                await adm.wait(qkey, key, t0 + adm.cfg.queue_timeout_s - t)
+            except Refused as e:
+                self.metrics.rejected.labels(e.code).inc()
+                raise ApiError(e.status, e.message, "service_unavailable", e.code,
+                               headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+            finally:
+                queued += time.perf_counter() - t
+
     async def _inference(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
@@ -422,6 +597,8 @@ class RouterService:
         if stream:
             so = body.get("stream_options")
             flow.wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        flow.key = self._client_key(request)
+        self._enter(flow.key)
         self.inflight += 1
         self._idle.clear()
         resp: StreamResponse | None = None
@@ -439,6 +616,7 @@ class RouterService:
             flow.http_status, flow.error = e.status, e.message
             raise
         finally:
+            self.admission.leave(flow.key)
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
@@ -451,13 +629,12 @@ class RouterService:
         body = flow.body
         while True:
             rreq = flow.rreq
-            if flow.exclude:
-                rreq.exclude = frozenset(flow.exclude)
-            decision = self._decide(rreq)
+            decision, waited = await self._admit(rreq, flow.exclude, flow.key, flow.t0)
+            flow.queue_s += waited
             flow.decision = decision
             self._publish_decision(flow, decision)
             if not decision.ok:
-                err = self._decision_error(decision)
+                err = self._decision_error(decision, rreq)
                 if resp is not None:  # mid-migration: tell the client in-band
                     flow.status, flow.error = "error", err.message
                     await self._write_sse_error(resp, err.message)
@@ -512,9 +689,14 @@ class RouterService:
                 raise ApiError(502, f"no backend answered after {flow.retries} attempts", "server_error",
                                "upstream_unavailable")
 
-    def _decision_error(self, d: Decision) -> ApiError:
+    def _decision_error(self, d: Decision, rreq: RoutingRequest | None = None) -> ApiError:
         if d.status == "no_model":
             return ApiError(404, d.reason, "invalid_request_error", "model_not_found", "model")
+        lora = rreq.lora if rreq is not None else None
+        if lora and d.status == "no_backend" and not any(lora in b.loras for b in self.state.snapshot()):
+            # no backend holds the adapter at all: retrying will not help (404, not 503)
+            return ApiError(404, f"LoRA adapter {lora!r} is not served by any backend", "invalid_request_error",
+                            "model_not_found", "lora" if rreq.index_model is None else "model")
         if d.status == "busy":
             self.metrics.rejected.labels("busy").inc()
             return ApiError(503, "all backends are busy, retry later", "service_unavailable", "busy",
@@ -563,9 +745,9 @@ class RouterService:
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         self.state.breakers.attempt(pb.pod)
-        self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+        self._started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
         try:
-            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow))
+            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow, pb))
             try:
                 data = await r.read()
             finally:
@@ -585,19 +767,19 @@ class RouterService:
             self.metrics.retries.labels("prefill").inc()
             return None
         finally:
-            self.state.finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+            self._finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
 
     async def _forward(self, request: Request, flow: _Flow, b: BackendState, body: dict[str, Any],
                        resp: StreamResponse | None, prefill_tokens: int):
         """Send to ``b``: ``(client response, None)`` when done, ``(response or None, reason)`` on failure."""
         self.state.breakers.attempt(b.pod)
-        self.state.started(b, flow.rreq.prompt_tokens, prefill_tokens)
+        self._started(b, flow.rreq.prompt_tokens, prefill_tokens)
         pending = prefill_tokens
         up: UpstreamResponse | None = None
         try:
             try:
                 data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
-                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow))
+                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow, b))
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
                 return resp, "connect"
@@ -623,11 +805,12 @@ class RouterService:
                 pending = 0
                 flow.done = True
                 return Response(up.status, data, up.headers.get("content-type", _JSON),
-                                {"X-Request-Id": flow.rid}), None
+                                {"X-Request-Id": flow.rid, _BACKEND_HEADER: b.pod}), None
             # streaming pass-through, event by event
             if resp is None:
                 resp = StreamResponse(up.status, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no"})
+                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no",
+                                                  _BACKEND_HEADER: b.pod})
                 await resp.prepare(request)
             buf = b""
             try:
@@ -640,8 +823,10 @@ class RouterService:
                             break
                         ev, buf = buf[:i + 2], buf[i + 2:]
                         keep = self._on_event(flow, ev)
-                        if keep:
+                        if keep is True:
                             out += ev
+                        elif keep:
+                            out += keep  # the event rewritten
                     if out:
                         if pending and flow.first_token_t is not None:
                             self.state.first_token(b, pending)
@@ -664,14 +849,22 @@ class RouterService:
                     up.release()
                 else:
                     up.close()  # closes the connection: the engine sees the cancel
-            self.state.finished(b, flow.rreq.prompt_tokens, pending)
+            self._finished(b, flow.rreq.prompt_tokens, pending)
 
-    @staticmethod
-    def _headers(flow: _Flow) -> dict[str, str]:
-        return {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
+    def _headers(self, flow: _Flow, b: BackendState | None = None) -> dict[str, str]:
+        h = {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
+        return self._upstream_headers(b, h) if b is not None else h
 
-    def _on_event(self, flow: _Flow, ev: bytes) -> bool:
-        """Track one SSE event; False drops it (the usage chunk the client did not ask for)."""
+    def _upstream_headers(self, b: BackendState, h: dict[str, str]) -> dict[str, str]:
+        """``Authorization: Bearer`` for engines started with ``--api-key`` (per backend, else global)."""
+        key = self._engine_keys.get(b.pod, self._engine_key)
+        if key is not None:
+            h["Authorization"] = key
+        return h
+
+    def _on_event(self, flow: _Flow, ev: bytes) -> bool | bytes:
+        """Track one SSE event; False drops it (the usage chunk the client did not ask for), bytes
+        replace it."""
         for line in ev.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -689,6 +882,8 @@ class RouterService:
             if isinstance(usage, dict):
                 self._account_usage(flow, usage)
             choices = obj.get("choices") or []
+            if flow.migrations and flow.kind == "chat" and choices:
+                return self._strip_role(obj, choices, flow)
             for c in choices:
                 if not isinstance(c, dict):
                     continue
@@ -706,6 +901,38 @@ class RouterService:
             if not choices and usage is not None and not flow.wants_usage:
                 return False
         return True
+
+    def _strip_role(self, obj: dict, choices: list, flow: _Flow) -> bool | bytes:
+        """A continuation's chunk after a migration: the client already had the ``role`` delta, so it
+        is removed (a chunk left with nothing is dropped); text is tracked as usual."""
+        changed = False
+        empty = True
+        for c in choices:
+            if not isinstance(c, dict):
+                empty = False
+                continue
+            delta = c.get("delta")
+            if isinstance(delta, dict):
+                if "role" in delta:
+                    del delta["role"]
+                    changed = True
+                piece = delta.get("content")
+                if piece and isinstance(piece, str):
+                    now = time.perf_counter()
+                    if flow.first_token_t is None:
+                        flow.first_token_t = now
+                    flow.last_token_t = now
+                    flow.text += piece
+                    flow.out_tokens += 1
+                if any(v for v in delta.values()):
+                    empty = False
+            if c.get("finish_reason") or c.get("logprobs"):
+                empty = False
+        if not changed:
+            return True
+        if empty and not obj.get("usage"):
+            return False
+        return _sse_event(obj)
 
     def _account_usage(self, flow: _Flow, usage: dict) -> None:
         pt = usage.get("prompt_tokens")
@@ -770,7 +997,8 @@ class RouterService:
 
     async def _write_sse_error(self, resp: StreamResponse, message: str) -> None:
         try:
-            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "code": 502}}))
+            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "param": None,
+                                                   "code": "upstream_error"}}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
@@ -818,6 +1046,15 @@ class RouterService:
             best_overlap_blocks=d.best_overlap_blocks if d else 0,
             chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
             retries=flow.retries, migrations=flow.migrations, stream=flow.stream), msg_id=f"req:{flow.rid}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("infernex")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "0.0.0+source"
 
 
 def _upstream_message(data: bytes) -> str:

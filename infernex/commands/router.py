@@ -27,7 +27,9 @@ def _parse_backend(spec: str):
         return StaticBackend(pod=pod, url=url, model=model, role=more[0] if more else "aggregated",
                              group=more[1] if len(more) > 1 else None)
     except ValueError as exc:
-        raise typer.BadParameter(f"backend {spec!r}: expected pod=url@model[:role[:group]] ({exc})") from None
+        from schemas.redact import redact
+
+        raise typer.BadParameter(redact(f"backend {spec!r}: expected pod=url@model[:role[:group]] ({exc})")) from None
 
 
 def router_cmd(
