@@ -41,6 +41,7 @@ def router_cmd(
                                           help="built-in strategy (kv-aware, round-robin, ...) or a YAML file"),
     backend: list[str] = typer.Option([], "--backend", "-b", help="static backend pod=url@model[:role[:group]]"),
     pool: Optional[str] = typer.Option(None, "--pool"),
+    selector: Optional[str] = typer.Option(None, "--selector", help="label selector of the engine pods (Kubernetes)"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="'simple' or a tokenizer.json path"),
     no_bus: bool = typer.Option(False, "--no-bus", help="no NATS: static backends only, no records"),
     list_strategies: bool = typer.Option(False, "--list-strategies", help="print the built-in strategies"),
@@ -71,6 +72,8 @@ def router_cmd(
         upd["strategy"] = profile
     if pool is not None:
         upd["pool"] = pool
+    if selector is not None:
+        upd["kubernetes"] = cfg.kubernetes.model_copy(update={"label_selector": selector})
     if tokenizer is not None:
         upd["tokenizer"] = tokenizer
     if no_bus:
