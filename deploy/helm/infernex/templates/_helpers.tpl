@@ -236,7 +236,8 @@ picks the pod over ext_proc). */}}
 {{- $top := $r.image | default dict -}}
 {{- $repo := $i.repository | default $top.repository -}}
 {{- if and (not $repo) $i.name -}}
-{{- $repo = $i.hub | ternary (printf "%s/%s" (trimSuffix "/" ($i.hub | default "")) $i.name) $i.name -}}
+{{- $repo = $i.name -}}
+{{- if $i.hub }}{{ $repo = printf "%s/%s" (trimSuffix "/" $i.hub) $i.name }}{{ end -}}
 {{- end -}}
 {{- $img := dict "repository" $repo "tag" ($i.tag | default $top.tag) "pullPolicy" ($i.pullPolicy | default $top.pullPolicy) -}}
 {{- include "infernex.image" (dict "ctx" . "image" $img) -}}
