@@ -57,6 +57,10 @@ class RouterConfig(_S):
     strategy: str = Field(default="kv-aware", description="built-in strategy name or a strategy YAML file")
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    epp_port: int | None = Field(default=None, ge=0, le=65535,
+                                 description="also serve the GIE endpoint picker (Envoy ext_proc, gRPC) on this port")
+    epp_fallbacks: int = Field(default=0, ge=0, le=8,
+                               description="next-best endpoints the picker lists after its pick (proxy retries)")
     backends: list[StaticBackend] = Field(default_factory=list)
     kubernetes: KubernetesDiscovery = Field(default_factory=KubernetesDiscovery)
     bus: bool = Field(default=True, description="discovery, load, health and KV state from NATS")

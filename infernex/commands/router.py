@@ -37,10 +37,13 @@ def router_cmd(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file (section 'router:')"),
     host: Optional[str] = typer.Option(None, "--host"),
     port: Optional[int] = typer.Option(None, "--port", help="0 picks a free port"),
+    epp_port: Optional[int] = typer.Option(None, "--epp-port",
+                                           help="also serve the GIE endpoint picker (Envoy ext_proc gRPC) here"),
     profile: Optional[str] = typer.Option(None, "--profile", "--strategy",
                                           help="built-in strategy (kv-aware, round-robin, ...) or a YAML file"),
     backend: list[str] = typer.Option([], "--backend", "-b", help="static backend pod=url@model[:role[:group]]"),
     pool: Optional[str] = typer.Option(None, "--pool"),
+    selector: Optional[str] = typer.Option(None, "--selector", help="label selector of the engine pods (Kubernetes)"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="'simple' or a tokenizer.json path"),
     no_bus: bool = typer.Option(False, "--no-bus", help="no NATS: static backends only, no records"),
     list_strategies: bool = typer.Option(False, "--list-strategies", help="print the built-in strategies"),
@@ -65,10 +68,14 @@ def router_cmd(
         upd["host"] = host
     if port is not None:
         upd["port"] = port
+    if epp_port is not None:
+        upd["epp_port"] = epp_port
     if profile is not None:
         upd["strategy"] = profile
     if pool is not None:
         upd["pool"] = pool
+    if selector is not None:
+        upd["kubernetes"] = cfg.kubernetes.model_copy(update={"label_selector": selector})
     if tokenizer is not None:
         upd["tokenizer"] = tokenizer
     if no_bus:
@@ -109,7 +116,8 @@ async def _serve(cfg, nats_cfg) -> None:
         await app.stop(drain=False)
         raise
     console.print(f"[green]hermes-router[/green] on {url}  strategy={cfg.strategy} pool={cfg.pool} "
-                  f"backends={len(app.state.snapshot())} bus={'on' if cfg.bus else 'off'}", highlight=False)
+                  f"backends={len(app.state.snapshot())} bus={'on' if cfg.bus else 'off'}"
+                  + (f" epp=grpc://{cfg.host}:{app.epp.port}" if app.epp else ""), highlight=False)
     await stop.wait()
     console.print(f"draining {app.service.inflight} in-flight request(s) ...")
     drained = await app.stop(drain=True)
