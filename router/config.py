@@ -22,6 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from router.pd_protocol import PdConnectorConfig
+
 
 class _S(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,6 +87,8 @@ class RouterConfig(_S):
                                      description="a request must arrive whole within this long of its first byte (else 408)")
     # records
     records: bool = True
+    pd: PdConnectorConfig = Field(default_factory=PdConnectorConfig,
+                                  description="the PD engines' KV connector (nixl, mooncake, mooncake_ascend)")
     records_buffer: int = Field(default=10_000, gt=0)
 
     def load_api_keys(self) -> list[str]:

@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics
+from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
 from router.records import RecordSink, decision_json
 from router.resilience import RateLimiter
@@ -97,6 +98,10 @@ class _Flow:
     http_status: int = 200
     error: str | None = None
     done: bool = False
+    prefill_s: float | None = None  # PD: the prefill stage's time (its TTFT)
+    prefill_end_t: float | None = None
+    recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)
+    recomputes: int = 0
 
 
 class RouterMetrics:
@@ -151,6 +156,7 @@ class RouterService:
         self._m_requests: dict[str, Any] = {}
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
+        self.pd = PdProtocol(cfg.pd)
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
@@ -473,6 +479,7 @@ class RouterService:
                         raise ApiError(502, "no prefill backend answered", "server_error", "upstream_unavailable")
                     continue
                 send_body = dict(body)
+                send_body.pop("kv_transfer_params", None)
                 send_body["kv_transfer_params"] = kvp
                 prefill_tokens = 0
             if flow.stream and not flow.wants_usage:
@@ -482,6 +489,26 @@ class RouterService:
             resp, outcome = await self._forward(request, flow, target, send_body, resp, prefill_tokens)
             if outcome is None:
                 return resp
+            if outcome == "recomputed":  # vllm-ascend: the rest again, on a fresh prefill/decode pair
+                flow.recomputed = False
+                flow.recomputes += 1
+                self.metrics.retries.labels("recomputed").inc()
+                nb = self._continuation(flow) if flow.recomputes <= self.pd.cfg.max_recomputes else False
+                if nb is False or nb is None:
+                    msg = None if nb is None else "decode recomputed too often"
+                    if resp is not None and resp.prepared:
+                        if msg:
+                            flow.status, flow.error = "error", msg
+                            await self._write_sse_error(resp, msg)
+                        else:
+                            await resp.write(b"data: [DONE]\n\n")
+                            await resp.write_eof()
+                            flow.done = True
+                        return resp
+                    raise ApiError(502, msg or "decode recomputed with nothing left", "server_error",
+                                   "upstream_unavailable")
+                body = nb
+                continue
             # the backend failed; outcome is the reason
             self.state.breakers.failure(target.pod)
             flow.exclude.add(target.pod)
@@ -554,18 +581,19 @@ class RouterService:
                 pass
 
     async def _prefill(self, flow: _Flow, pb: BackendState, body: dict[str, Any]) -> dict | None:
-        """PD stage one: ``max_tokens=1``, not streamed, ``do_remote_decode``; returns kv_transfer_params."""
-        pre = dict(body)
-        pre.update(stream=False, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
-        pre.pop("stream_options", None)
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
+        """PD stage one (fields per KV connector: :mod:`router.pd_protocol`); returns the decode's
+        kv_transfer_params, None when the prefill failed."""
+        pre = self.pd.prefill_body(body, flow.rid)
+        peer = PrefillPeer(pb.url, pb.pod)
         self.state.breakers.attempt(pb.pod)
         self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+        t = time.perf_counter()
         try:
-            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow))
+            headers = self._headers(flow)
+            extra = self.pd.prefill_headers(peer)
+            if extra:
+                headers = {**headers, **extra}
+            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), headers)
             try:
                 data = await r.read()
             finally:
@@ -574,10 +602,16 @@ class RouterService:
                 raise UpstreamError("read", f"prefill answered HTTP {r.status}")
             if r.status >= 400:
                 raise ApiError(r.status, _upstream_message(data), code="prefill_rejected")
-            kvp = _json_decode(data).get("kv_transfer_params") or {}
+            answered = _json_decode(data).get("kv_transfer_params")
+            try:
+                kvp = self.pd.decode_params(answered if isinstance(answered, dict) else None, peer, flow.rid)
+            except ValueError as e:
+                raise UpstreamError("read", f"prefill on {pb.pod}: {e}") from None
             self.state.breakers.success(pb.pod)
+            flow.prefill_end_t = time.perf_counter()
+            flow.prefill_s = flow.prefill_end_t - t
             return kvp
-        except (*_UPSTREAM_ERRORS, msgspec.DecodeError) as e:
+        except (*_UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as e:
             log.warning("prefill on %s failed for %s: %s", pb.pod, flow.rid, type(e).__name__)
             self.state.breakers.failure(pb.pod)
             flow.exclude.add(pb.pod)
@@ -618,6 +652,10 @@ class RouterService:
                 if up.status >= 400:
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
                 else:
+                    if self._recomputed_json(flow, data):
+                        return resp, "recomputed"
+                    if flow.recomputes:
+                        data = self._merge_recomputed(flow, data)
                     self._account_json(flow, data)
                 self.state.first_token(b, pending)
                 pending = 0
@@ -648,9 +686,12 @@ class RouterService:
                             pending = 0
                         await resp.write(bytes(out))
             except _UPSTREAM_ERRORS as e:
-                if not flow.done:
+                if not flow.done and not flow.recomputed:
                     log.warning("backend %s failed mid-stream for %s: %s", b.pod, flow.rid, type(e).__name__)
                     return resp, "mid_stream"
+            if flow.recomputed:
+                self.state.breakers.success(b.pod)
+                return resp, "recomputed"
             if not flow.done:
                 # the stream ended without [DONE]: the backend went away
                 log.warning("backend %s ended the stream early for %s", b.pod, flow.rid)
@@ -671,7 +712,10 @@ class RouterService:
         return {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
 
     def _on_event(self, flow: _Flow, ev: bytes) -> bool:
-        """Track one SSE event; False drops it (the usage chunk the client did not ask for)."""
+        """Track one SSE event; False drops it (the usage chunk the client did not ask for, and all a
+        decode says after a ``recomputed`` stop: the rest comes from the re-issued request)."""
+        if flow.recomputed:
+            return False
         for line in ev.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -689,6 +733,9 @@ class RouterService:
             if isinstance(usage, dict):
                 self._account_usage(flow, usage)
             choices = obj.get("choices") or []
+            if choices and stop_reason_recomputed(choices[0]) and self.pd.retries_recomputed:
+                flow.recomputed = True
+                return False
             for c in choices:
                 if not isinstance(c, dict):
                     continue
@@ -707,6 +754,44 @@ class RouterService:
                 return False
         return True
 
+    def _recomputed_json(self, flow: _Flow, data: bytes) -> bool:
+        """A non-streamed decode answer that stopped ``recomputed``: keep its text for the re-issue."""
+        if not self.pd.retries_recomputed or b"recomputed" not in data:
+            return False
+        try:
+            obj = _json_decode(data)
+            c = obj["choices"][0]
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+            return False
+        if not stop_reason_recomputed(c):
+            return False
+        piece = c.get("text")
+        if piece is None:
+            piece = (c.get("message") or {}).get("content") or ""
+        flow.text += piece
+        u = obj.get("usage") or {}
+        flow.out_tokens += u.get("completion_tokens") or 0 if isinstance(u, dict) else 0
+        if flow.first_token_t is None and piece:
+            flow.first_token_t = time.perf_counter()
+        return True
+
+    def _merge_recomputed(self, flow: _Flow, data: bytes) -> bytes:
+        """The final answer of a re-issued request: the text before the recompute put back in front."""
+        try:
+            obj = _json_decode(data)
+            c = obj["choices"][0]
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+            return data
+        if isinstance(c.get("text"), str):
+            c["text"] = flow.text + c["text"]
+        elif isinstance(c.get("message"), dict):
+            c["message"]["content"] = flow.text + (c["message"].get("content") or "")
+        u = obj.get("usage")
+        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
+            u["completion_tokens"] += flow.out_tokens
+            u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
+        return _json_encode(obj)
+
     def _account_usage(self, flow: _Flow, usage: dict) -> None:
         pt = usage.get("prompt_tokens")
         if isinstance(pt, int):
@@ -715,7 +800,7 @@ class RouterService:
         if isinstance(det, dict) and isinstance(det.get("cached_tokens"), int):
             flow.cached_tokens = det["cached_tokens"]
         ct = usage.get("completion_tokens")
-        if isinstance(ct, int) and flow.migrations == 0:
+        if isinstance(ct, int) and flow.migrations == 0 and flow.recomputes == 0:
             flow.out_tokens = max(flow.out_tokens, ct)
 
     def _account_json(self, flow: _Flow, data: bytes) -> None:
