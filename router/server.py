@@ -25,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
-from router.metrics import FastMetrics
+from router.metrics import FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
 from router.records import RecordSink, decision_json
@@ -146,6 +146,7 @@ class RouterService:
         self.index = index
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight)
+        self.registry.register(PluginEventsCollector(lambda: self.router.strategy))
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
