@@ -268,6 +268,15 @@ class SimEngine:
         if self.publisher is not None:
             self.publisher.close()
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait (real seconds) until no request runs here and no prefilled KV waits to be pulled."""
+        end = time.monotonic() + timeout_s
+        while self._streams or self.core.transfers:
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     def restart(self) -> None:
         """Behave like a restarted engine: empty cache, requests dropped, KV sequence back to 0."""
         for q in self._streams.values():
