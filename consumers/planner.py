@@ -78,7 +78,8 @@ class KubeScaler:
             patch = [{"op": "test", "path": f"/spec/template/roles/{i}/name", "value": name},
                      {"op": "replace", "path": f"/spec/template/roles/{i}/replicas", "value": int(replicas)}]
             obj = self.custom.patch_namespaced_custom_object(*MODELSERVING[:2], target.namespace, MODELSERVING[2],
-                                                             target.name, patch, **kw)
+                                                             target.name, patch, _content_type="application/json-patch+json",
+                                                             **kw)
             return int(obj["spec"]["template"]["roles"][i].get("replicas", replicas))
         body = {"spec": {"replicas": int(replicas)}}
         if target.kind == "Deployment":
