@@ -893,10 +893,18 @@ class RouterService:
         if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
             itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
         d = flow.decision
+        pd = self.router.strategy.pd
+        stage = ("pd" if flow.prefill_pod else "decode") if pd else "aggregated"
+        tpot = kv_s = None
+        if ttft is not None and flow.out_tokens > 1:
+            tpot = max(e2e - ttft, 0.0) / (flow.out_tokens - 1)
+        if flow.prefill_end_t is not None and flow.first_token_t is not None and flow.first_token_t >= flow.prefill_end_t:
+            kv_s = flow.first_token_t - flow.prefill_end_t
         # built by a publisher task, after the response went out
         self.records.submit_request(lambda: RequestRecord(
-            request_id=flow.rid, ts=flow.arrival, pool=self.state.pool,
-            role="pd" if flow.prefill_pod else "aggregated", model=flow.rreq.model, profile=name,
+            request_id=flow.rid, ts=flow.arrival, pool=self.state.pool, served_stage=stage,
+            prefill_ttft_s=flow.prefill_s if flow.prefill_pod else None, kv_transfer_s=kv_s, tpot_s=tpot,
+            role="pd" if pd else "aggregated", model=flow.rreq.model, profile=name,
             pods=flow.pods, prefill_pod=flow.prefill_pod, decode_pod=flow.decode_pod,
             prompt_tokens=flow.prompt_tokens_reported or flow.rreq.prompt_tokens, output_tokens=flow.out_tokens,
             cached_tokens=flow.cached_tokens, ttft_s=ttft, itl_s=itl, e2e_s=e2e, status=flow.status,
