@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from router.admission import AdmissionConfig
+from router.pd_protocol import PdConnectorConfig
 
 
 class _S(BaseModel):
@@ -97,6 +98,8 @@ class RouterConfig(_S):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     # records
     records: bool = True
+    pd: PdConnectorConfig = Field(default_factory=PdConnectorConfig,
+                                  description="the PD engines' KV connector (nixl, mooncake, mooncake_ascend)")
     records_buffer: int = Field(default=10_000, gt=0)
 
     def load_engine_keys(self) -> tuple[str | None, dict[str, str]]:

@@ -27,7 +27,8 @@ from router import openapi
 from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
-from router.metrics import FastMetrics
+from router.metrics import FastMetrics, PluginEventsCollector
+from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
 from router.records import RecordSink, decision_json
 from router.resilience import RateLimiter
@@ -110,6 +111,10 @@ class _Flow:
     done: bool = False
     key: str = "-"  # the client (API key or address) for quotas and fairness
     queue_s: float = 0.0  # time spent waiting for a backend slot
+    prefill_s: float | None = None  # PD: the prefill stage's time (its TTFT)
+    prefill_end_t: float | None = None
+    recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)
+    recomputes: int = 0
 
 
 class RouterMetrics:
@@ -154,6 +159,7 @@ class RouterService:
         self.index = index
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight)
+        self.registry.register(PluginEventsCollector(lambda: self.router.strategy))
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
@@ -164,6 +170,7 @@ class RouterService:
         self._m_requests: dict[str, Any] = {}
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
+        self.pd = PdProtocol(cfg.pd)
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
@@ -650,6 +657,7 @@ class RouterService:
                         raise ApiError(502, "no prefill backend answered", "server_error", "upstream_unavailable")
                     continue
                 send_body = dict(body)
+                send_body.pop("kv_transfer_params", None)
                 send_body["kv_transfer_params"] = kvp
                 prefill_tokens = 0
             if flow.stream and not flow.wants_usage:
@@ -659,6 +667,26 @@ class RouterService:
             resp, outcome = await self._forward(request, flow, target, send_body, resp, prefill_tokens)
             if outcome is None:
                 return resp
+            if outcome == "recomputed":  # vllm-ascend: the rest again, on a fresh prefill/decode pair
+                flow.recomputed = False
+                flow.recomputes += 1
+                self.metrics.retries.labels("recomputed").inc()
+                nb = self._continuation(flow) if flow.recomputes <= self.pd.cfg.max_recomputes else False
+                if nb is False or nb is None:
+                    msg = None if nb is None else "decode recomputed too often"
+                    if resp is not None and resp.prepared:
+                        if msg:
+                            flow.status, flow.error = "error", msg
+                            await self._write_sse_error(resp, msg)
+                        else:
+                            await resp.write(b"data: [DONE]\n\n")
+                            await resp.write_eof()
+                            flow.done = True
+                        return resp
+                    raise ApiError(502, msg or "decode recomputed with nothing left", "server_error",
+                                   "upstream_unavailable")
+                body = nb
+                continue
             # the backend failed; outcome is the reason
             self.state.breakers.failure(target.pod)
             flow.exclude.add(target.pod)
@@ -736,18 +764,19 @@ class RouterService:
                 pass
 
     async def _prefill(self, flow: _Flow, pb: BackendState, body: dict[str, Any]) -> dict | None:
-        """PD stage one: ``max_tokens=1``, not streamed, ``do_remote_decode``; returns kv_transfer_params."""
-        pre = dict(body)
-        pre.update(stream=False, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
-        pre.pop("stream_options", None)
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
+        """PD stage one (fields per KV connector: :mod:`router.pd_protocol`); returns the decode's
+        kv_transfer_params, None when the prefill failed."""
+        pre = self.pd.prefill_body(body, flow.rid)
+        peer = PrefillPeer(pb.url, pb.pod)
         self.state.breakers.attempt(pb.pod)
         self._started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+        t = time.perf_counter()
         try:
-            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), self._headers(flow, pb))
+            headers = self._headers(flow, pb)
+            extra = self.pd.prefill_headers(peer)
+            if extra:
+                headers = {**headers, **extra}
+            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), headers)
             try:
                 data = await r.read()
             finally:
@@ -756,10 +785,16 @@ class RouterService:
                 raise UpstreamError("read", f"prefill answered HTTP {r.status}")
             if r.status >= 400:
                 raise ApiError(r.status, _upstream_message(data), code="prefill_rejected")
-            kvp = _json_decode(data).get("kv_transfer_params") or {}
+            answered = _json_decode(data).get("kv_transfer_params")
+            try:
+                kvp = self.pd.decode_params(answered if isinstance(answered, dict) else None, peer, flow.rid)
+            except ValueError as e:
+                raise UpstreamError("read", f"prefill on {pb.pod}: {e}") from None
             self.state.breakers.success(pb.pod)
+            flow.prefill_end_t = time.perf_counter()
+            flow.prefill_s = flow.prefill_end_t - t
             return kvp
-        except (*_UPSTREAM_ERRORS, msgspec.DecodeError) as e:
+        except (*_UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as e:
             log.warning("prefill on %s failed for %s: %s", pb.pod, flow.rid, type(e).__name__)
             self.state.breakers.failure(pb.pod)
             flow.exclude.add(pb.pod)
@@ -800,6 +835,10 @@ class RouterService:
                 if up.status >= 400:
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
                 else:
+                    if self._recomputed_json(flow, data):
+                        return resp, "recomputed"
+                    if flow.recomputes:
+                        data = self._merge_recomputed(flow, data)
                     self._account_json(flow, data)
                 self.state.first_token(b, pending)
                 pending = 0
@@ -833,9 +872,12 @@ class RouterService:
                             pending = 0
                         await resp.write(bytes(out))
             except _UPSTREAM_ERRORS as e:
-                if not flow.done:
+                if not flow.done and not flow.recomputed:
                     log.warning("backend %s failed mid-stream for %s: %s", b.pod, flow.rid, type(e).__name__)
                     return resp, "mid_stream"
+            if flow.recomputed:
+                self.state.breakers.success(b.pod)
+                return resp, "recomputed"
             if not flow.done:
                 # the stream ended without [DONE]: the backend went away
                 log.warning("backend %s ended the stream early for %s", b.pod, flow.rid)
@@ -864,7 +906,10 @@ class RouterService:
 
     def _on_event(self, flow: _Flow, ev: bytes) -> bool | bytes:
         """Track one SSE event; False drops it (the usage chunk the client did not ask for), bytes
-        replace it."""
+        replace it. After a ``recomputed`` stop (vllm-ascend) all the decode says is dropped: the rest
+        comes from the re-issued request."""
+        if flow.recomputed:
+            return False
         for line in ev.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -882,6 +927,9 @@ class RouterService:
             if isinstance(usage, dict):
                 self._account_usage(flow, usage)
             choices = obj.get("choices") or []
+            if choices and stop_reason_recomputed(choices[0]) and self.pd.retries_recomputed:
+                flow.recomputed = True
+                return False
             if flow.migrations and flow.kind == "chat" and choices:
                 return self._strip_role(obj, choices, flow)
             for c in choices:
@@ -934,6 +982,44 @@ class RouterService:
             return False
         return _sse_event(obj)
 
+    def _recomputed_json(self, flow: _Flow, data: bytes) -> bool:
+        """A non-streamed decode answer that stopped ``recomputed``: keep its text for the re-issue."""
+        if not self.pd.retries_recomputed or b"recomputed" not in data:
+            return False
+        try:
+            obj = _json_decode(data)
+            c = obj["choices"][0]
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+            return False
+        if not stop_reason_recomputed(c):
+            return False
+        piece = c.get("text")
+        if piece is None:
+            piece = (c.get("message") or {}).get("content") or ""
+        flow.text += piece
+        u = obj.get("usage") or {}
+        flow.out_tokens += u.get("completion_tokens") or 0 if isinstance(u, dict) else 0
+        if flow.first_token_t is None and piece:
+            flow.first_token_t = time.perf_counter()
+        return True
+
+    def _merge_recomputed(self, flow: _Flow, data: bytes) -> bytes:
+        """The final answer of a re-issued request: the text before the recompute put back in front."""
+        try:
+            obj = _json_decode(data)
+            c = obj["choices"][0]
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+            return data
+        if isinstance(c.get("text"), str):
+            c["text"] = flow.text + c["text"]
+        elif isinstance(c.get("message"), dict):
+            c["message"]["content"] = flow.text + (c["message"].get("content") or "")
+        u = obj.get("usage")
+        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
+            u["completion_tokens"] += flow.out_tokens
+            u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
+        return _json_encode(obj)
+
     def _account_usage(self, flow: _Flow, usage: dict) -> None:
         pt = usage.get("prompt_tokens")
         if isinstance(pt, int):
@@ -942,7 +1028,7 @@ class RouterService:
         if isinstance(det, dict) and isinstance(det.get("cached_tokens"), int):
             flow.cached_tokens = det["cached_tokens"]
         ct = usage.get("completion_tokens")
-        if isinstance(ct, int) and flow.migrations == 0:
+        if isinstance(ct, int) and flow.migrations == 0 and flow.recomputes == 0:
             flow.out_tokens = max(flow.out_tokens, ct)
 
     def _account_json(self, flow: _Flow, data: bytes) -> None:
@@ -1035,10 +1121,18 @@ class RouterService:
         if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
             itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
         d = flow.decision
+        pd = self.router.strategy.pd
+        stage = ("pd" if flow.prefill_pod else "decode") if pd else "aggregated"
+        tpot = kv_s = None
+        if ttft is not None and flow.out_tokens > 1:
+            tpot = max(e2e - ttft, 0.0) / (flow.out_tokens - 1)
+        if flow.prefill_end_t is not None and flow.first_token_t is not None and flow.first_token_t >= flow.prefill_end_t:
+            kv_s = flow.first_token_t - flow.prefill_end_t
         # built by a publisher task, after the response went out
         self.records.submit_request(lambda: RequestRecord(
-            request_id=flow.rid, ts=flow.arrival, pool=self.state.pool,
-            role="pd" if flow.prefill_pod else "aggregated", model=flow.rreq.model, profile=name,
+            request_id=flow.rid, ts=flow.arrival, pool=self.state.pool, served_stage=stage,
+            prefill_ttft_s=flow.prefill_s if flow.prefill_pod else None, kv_transfer_s=kv_s, tpot_s=tpot,
+            role="pd" if pd else "aggregated", model=flow.rreq.model, profile=name,
             pods=flow.pods, prefill_pod=flow.prefill_pod, decode_pod=flow.decode_pod,
             prompt_tokens=flow.prompt_tokens_reported or flow.rreq.prompt_tokens, output_tokens=flow.out_tokens,
             cached_tokens=flow.cached_tokens, ttft_s=ttft, itl_s=itl, e2e_s=e2e, status=flow.status,

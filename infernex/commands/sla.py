@@ -141,6 +141,8 @@ def report(
     rollup: bool = typer.Option(False, "--rollup", help="from the per-minute rollup: fast over days, "
                                 "whole minutes, t-digest percentiles, attainment as of the rollup"),
     as_json: bool = typer.Option(False, "--json"),
+    stages: bool = typer.Option(False, "--stages", help="per serving stage: prefill (PD prefill pods), decode "
+                                "(PD decode pods, KV transfer), aggregated; TTFT, TPOT and attainment each"),
 ) -> None:
     """SLA figures (TTFT/ITL/e2e percentiles, throughput, errors, prefix hits, attainment)."""
     from consumers import sla_queries
@@ -149,6 +151,14 @@ def report(
     seconds = parse_duration(since)
     now = time.time()
     store = _open(settings)
+    if stages:
+        try:
+            rows = sla_queries.sla_stages(store, now - seconds, now, targets=settings.sla.targets, pool=pool,
+                                          exact=not approx)
+        finally:
+            store.close()
+        _print_stages(rows, since, settings.sla.targets, as_json)
+        return
     try:
         t = settings.sla.targets
         if rollup and by_minute:
@@ -190,6 +200,25 @@ def report(
     if not rows:
         console.print(f"no request records in the last {since}")
         return
+    console.print(table)
+
+
+def _print_stages(rows: list[dict], since: str, t, as_json: bool) -> None:  # noqa: ANN001
+    if as_json:
+        console.print_json(json.dumps(rows))
+        return
+    if not rows:
+        console.print(f"no request records in the last {since}")
+        return
+    table = Table(title=f"SLA per stage over the last {since} (TTFT {t.ttft_s * 1000:.0f} ms, "
+                        f"TPOT vs ITL {t.itl_s * 1000:.0f} ms)")
+    for c in ("pool", "stage", "req", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "KV transfer p50/p90/p99 ms",
+              "TTFT ok %", "TPOT ok %"):
+        table.add_column(c, justify="left" if c in ("pool", "stage") else "right")
+    for r in rows:
+        table.add_row(r["pool"], r["stage"], str(r["requests"]),
+                      *("/".join(_fmt_ms(r[f"{n}_p{q}"]) for q in (50, 90, 99)) for n in ("ttft", "tpot", "kv")),
+                      f"{(r['ttft_attainment'] or 0) * 100:.1f}", f"{(r['tpot_attainment'] or 0) * 100:.1f}")
     console.print(table)
 
 
