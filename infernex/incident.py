@@ -100,7 +100,7 @@ class ReplayState:
         self.counts: Counter[str] = Counter()
         self.undecodable: list[tuple[str, str]] = []
         self.records: list[RequestRecord] = []
-        self.decisions: dict[str, RoutingDecision] = {}
+        self.decisions: dict[str, list[RoutingDecision]] = {}  # request id -> its records, in order
         self._kv_pos: dict[str, tuple[int, int]] = {}
         self._models: dict[str, type] = {}
         self.first_ts: float | None = None
@@ -184,6 +184,7 @@ class ReplayState:
             self.health.apply_load(event)
         elif isinstance(event, DeviceTelemetry):
             self.health.apply(event)
+            self.cluster.apply_device(event)  # utilisation and memory: the health score's cpu/mem terms
         elif isinstance(event, Diagnosis):
             self.cluster.apply_diagnosis(event)
             self.health.apply_diagnosis(event)
@@ -198,7 +199,7 @@ class ReplayState:
         elif isinstance(event, RequestRecord):
             self._record(msg, event)
         elif isinstance(event, RoutingDecision):
-            self.decisions[event.request_id] = event
+            self.decisions.setdefault(event.request_id, []).append(event)
         elif isinstance(event, ScalingHint):
             if event.desired != event.current:
                 self.timeline.append(TimelineEntry(msg.ts, "hint", msg.subject,

@@ -27,7 +27,7 @@ from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics
 from router.core import Router
-from router.records import RecordSink, decision_json
+from router.records import RecordSink, capture_backends, decision_inputs, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
@@ -93,6 +93,7 @@ class _Flow:
     prefill_pod: str | None = None
     decode_pod: str | None = None
     decision: Decision | None = None
+    captured: tuple | None = None  # (backends, now) the last decision read, for its record
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
@@ -400,10 +401,13 @@ class RouterService:
         return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
                               max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
 
-    def _decide(self, rreq: RoutingRequest) -> Decision:
+    def _decide(self, rreq: RoutingRequest, flow: _Flow | None = None) -> Decision:
         t = time.perf_counter()
         st = self.state
-        d = self.router.decide(rreq, st.snapshot(), self.index, st.clock.now(), load_epoch=st.epoch)
+        snap, now = st.snapshot(), st.clock.now()
+        d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
+        if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
+            flow.captured = (capture_backends(snap), now)
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
@@ -453,7 +457,7 @@ class RouterService:
             rreq = flow.rreq
             if flow.exclude:
                 rreq.exclude = frozenset(flow.exclude)
-            decision = self._decide(rreq)
+            decision = self._decide(rreq, flow)
             flow.decision = decision
             self._publish_decision(flow, decision)
             if not decision.ok:
@@ -782,12 +786,19 @@ class RouterService:
             return
         now = time.time()
         pool, model = self.state.pool, flow.rreq.model
-        for st in d.stages:
-            # built by the publisher task, off the request path
-            self.records.submit_decision(
-                lambda st=st: decision_json(request_id=flow.rid, ts=now, pool=pool, model=model,
-                                            profile=d.profile, stage=st),
-                msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
+        captured, rreq, strategy = flow.captured, flow.rreq, self.router.strategy
+        exclude = rreq.exclude
+        for i, st in enumerate(d.stages):
+            # built by the publisher task, off the request path; the first stage carries the inputs
+            def build(st=st, first=i == 0):
+                inputs = None
+                if first and captured is not None:
+                    inputs = decision_inputs(strategy=strategy, request=rreq, exclude=exclude, backends=captured[0],
+                                             now=captured[1], block_size=d.block_size, overlap=st.overlap)
+                return decision_json(request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile,
+                                     stage=st, inputs=inputs)
+
+            self.records.submit_decision(build, msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
 
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0
