@@ -80,10 +80,19 @@ def decision_inputs(*, strategy, request, exclude, backends: list[tuple], now: f
         row = dict(zip(BACKEND_FIELDS, t))
         row["loras"] = sorted(row["loras"])
         rows.append(row)
+    keys = None
+    ids = request.token_ids
+    if ids is not None and len(ids) > 1 and block_size > 0:
+        from streams.kv_index import block_keys
+        from streams.kv_keys import request_salt
+
+        # the prompt's reusable blocks as the index keys them (at most len-1 tokens, as the router reads)
+        keys = [int(k) for k in block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
+                                           salt=request_salt(request.cache_salt))]
     return {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
             "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
             "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,
-            "overlap": dict(overlap), "prefix_keys": None, "backends": rows}
+            "overlap": dict(overlap), "prefix_keys": keys, "backends": rows}
 
 
 def decision_json(*, request_id: str, ts: float, pool: str, model: str, profile: str, stage,
