@@ -30,7 +30,7 @@ from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
-from router.records import RecordSink, decision_json
+from router.records import RecordSink, capture_backends, decision_inputs, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
@@ -105,6 +105,7 @@ class _Flow:
     prefill_pod: str | None = None
     decode_pod: str | None = None
     decision: Decision | None = None
+    captured: tuple | None = None  # (backends, now) the last decision read, for its record
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
@@ -526,10 +527,13 @@ class RouterService:
         return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
                               max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
 
-    def _decide(self, rreq: RoutingRequest) -> Decision:
+    def _decide(self, rreq: RoutingRequest, flow: _Flow | None = None) -> Decision:
         t = time.perf_counter()
         st = self.state
-        d = self.router.decide(rreq, st.snapshot(), self.index, st.clock.now(), load_epoch=st.epoch)
+        snap, now = st.snapshot(), st.clock.now()
+        d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
+        if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
+            flow.captured = (capture_backends(snap), now)
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
@@ -554,14 +558,15 @@ class RouterService:
             raise ApiError(e.status, e.message, "rate_limit_error", e.code,
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
 
-    async def _admit(self, rreq: RoutingRequest, exclude: set[str], key: str, t0: float) -> tuple[Decision, float]:
+    async def _admit(self, rreq: RoutingRequest, exclude: set[str], key: str, t0: float,
+                     flow: _Flow | None = None) -> tuple[Decision, float]:
         """A decision over the backends with a free slot; when all that could serve the request are
         at their cap, wait in the model's queue (bounded, with a deadline) -> (decision, seconds queued)."""
         adm = self.admission
         if not adm.cfg.enabled:
             if exclude:
                 rreq.exclude = frozenset(exclude)
-            return self._decide(rreq), 0.0
+            return self._decide(rreq, flow), 0.0
         qkey = rreq.index_model or rreq.model
         queued = 0.0
         jump = adm.waiting(qkey)  # others wait for this model already: queue behind them
@@ -571,11 +576,11 @@ class RouterService:
                 ex = (exclude | full) if full else exclude
                 if ex or rreq.exclude:
                     rreq.exclude = frozenset(ex)
-                d = self._decide(rreq)
+                d = self._decide(rreq, flow)
                 if d.ok or not full:
                     return d, queued
                 rreq.exclude = frozenset(exclude)
-                d2 = self._decide(rreq)
+                d2 = self._decide(rreq, flow)
                 if not d2.ok:
                     return d2, queued  # not for lack of slots
             jump = False
@@ -636,7 +641,7 @@ class RouterService:
         body = flow.body
         while True:
             rreq = flow.rreq
-            decision, waited = await self._admit(rreq, flow.exclude, flow.key, flow.t0)
+            decision, waited = await self._admit(rreq, flow.exclude, flow.key, flow.t0, flow)
             flow.queue_s += waited
             flow.decision = decision
             self._publish_decision(flow, decision)
@@ -1096,12 +1101,19 @@ class RouterService:
             return
         now = time.time()
         pool, model = self.state.pool, flow.rreq.model
-        for st in d.stages:
-            # built by the publisher task, off the request path
-            self.records.submit_decision(
-                lambda st=st: decision_json(request_id=flow.rid, ts=now, pool=pool, model=model,
-                                            profile=d.profile, stage=st),
-                msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
+        captured, rreq, strategy = flow.captured, flow.rreq, self.router.strategy
+        exclude = rreq.exclude
+        for i, st in enumerate(d.stages):
+            # built by the publisher task, off the request path; the first stage carries the inputs
+            def build(st=st, first=i == 0):
+                inputs = None
+                if first and captured is not None:
+                    inputs = decision_inputs(strategy=strategy, request=rreq, exclude=exclude, backends=captured[0],
+                                             now=captured[1], block_size=d.block_size, overlap=st.overlap)
+                return decision_json(request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile,
+                                     stage=st, inputs=inputs)
+
+            self.records.submit_decision(build, msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
 
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0

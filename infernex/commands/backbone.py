@@ -24,7 +24,7 @@ from infernex.settings import Settings
 from schemas import ValidationFailure, decode_event
 from schemas import subjects as S
 from schemas.registry import model_for_subject
-from streams.topology import build_topology, stream_for_subject
+from streams.topology import build_topology
 
 console = Console()
 err = Console(stderr=True)
@@ -178,10 +178,13 @@ def tail(
         js = nc.jetstream()
         queue: asyncio.Queue = asyncio.Queue()
         subs = []
+        from streams.topology import history_filters
+
         for subj in subjects:
             full = S.with_prefix(prefix, subj)
-            spec = stream_for_subject(topo, full)
-            if spec is None:
+            # a wildcard may span streams (router.> = requests + decisions): history from each part
+            parts = history_filters(topo, full)
+            if not parts:
                 subs.append(await nc.subscribe(full, cb=queue.put))
                 continue
             kw = {}
@@ -196,8 +199,9 @@ def tail(
                 kw = {"deliver_policy": DeliverPolicy.ALL}
             from nats.js.api import ConsumerConfig
 
-            subs.append(await js.subscribe(full, cb=queue.put, ordered_consumer=True, stream=spec.name,
-                                           config=ConsumerConfig(**kw)))
+            for spec, part in parts:
+                subs.append(await js.subscribe(part, cb=queue.put, ordered_consumer=True, stream=spec.name,
+                                               config=ConsumerConfig(**kw)))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
