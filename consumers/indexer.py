@@ -440,9 +440,10 @@ class IndexerService:
             if reason is not None or careful:
                 self._flush()  # keep the order: everything before it first
                 if reason is not None:
-                    await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, reason, headers=dict(msg.headers or {}))
+                    await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, reason, headers=dict(msg.headers or {}),
+                                          stream_seq=sseq)
                 else:
-                    await self._apply_one(batch, msg)
+                    await self._apply_one(batch, msg, sseq)
                 self.applied_seq = sseq
                 self._since_snapshot += 1
             else:
@@ -525,13 +526,14 @@ class IndexerService:
             for b in buf:
                 obs(max(0.0, now - b.ts))
 
-    async def _apply_one(self, batch: KvEventBatch, msg) -> None:
+    async def _apply_one(self, batch: KvEventBatch, msg, sseq: int | None = None) -> None:
         try:
             st = self.index.apply(batch)
         except ValueError as exc:  # e.g. token ids the index cannot key (>= 2**32)
             log.warning("batch %s rejected by the index: %s", batch.msg_id, exc)
             await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, f"not indexable: {exc}",
-                                 headers=dict(msg.headers or {}), reason_class="unindexable")
+                                 headers=dict(msg.headers or {}), reason_class="unindexable",
+                                 stream_seq=sseq)
             return
         self._count(st)
         if not st.stale_batches:

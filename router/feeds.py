@@ -17,7 +17,7 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter
 
-from consumers.bus import DeadLetters
+from consumers.bus import DeadLetters, stream_seq_of
 from router.state import ClusterState
 from schemas import EngineAnnouncement, EngineMetrics, KvEventBatch, ValidationFailure, decode_event
 from schemas import DeviceTelemetry, Diagnosis
@@ -124,7 +124,7 @@ class BusFeeds:
         subj = msg.subject[len(self.prefix) + 1:] if self.prefix else msg.subject
         log.warning("dead-lettering a message on %s: %s", subj, reason[:200])
         try:
-            await self.dead.send(stream, subj, msg.data, reason)
+            await self.dead.send(stream, subj, msg.data, reason, stream_seq=stream_seq_of(msg))
         except Exception as exc:  # noqa: BLE001 - the feed must keep going
             log.warning("dead letter publish failed: %s", type(exc).__name__)
 
