@@ -17,7 +17,7 @@ import numpy as np
 
 from schemas import KvEventBatch, decode_event
 from schemas.base import SCHEMA_VERSION
-from schemas.kv import U64, AllBlocksCleared, BlockRemoved, BlockStored, PodGone, PodReset
+from schemas.kv import MAX_EPOCH, MAX_SEQ, U64, AllBlocksCleared, BlockRemoved, BlockStored, PodGone, PodReset
 from streams.kv_core import parse_uint_arrays
 from streams.kv_index import KvIndex
 
@@ -121,6 +121,8 @@ _Hashes = Annotated[list[_Hash], msgspec.Meta(min_length=1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 _Medium = Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+_Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
+_Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 RAW_PARSE_MIN_BYTES = 2048  # messages at least this long take the native array parse
 
@@ -149,10 +151,10 @@ def _mirror(name: str, hashes: Any, tokens: Any) -> tuple[type, type, msgspec.js
     removed = msgspec.defstruct(f"_{name}Removed", [("block_hashes", hashes), ("medium", _Medium | None, None)],
                                 tag="removed", **opts)
     batch = msgspec.defstruct(f"_{name}Batch", [
-        ("pod", _Name), ("model", _Name), ("seq", _NonNeg), ("ts", Annotated[float, msgspec.Meta(ge=0)]),
+        ("pod", _Name), ("model", _Name), ("seq", _Seq), ("ts", Annotated[float, msgspec.Meta(ge=0)]),
         ("events", list[stored | removed | _FCleared | _FReset | _FGone]),
         ("schema_version", Annotated[int, msgspec.Meta(gt=0, le=SCHEMA_VERSION)], SCHEMA_VERSION),
-        ("dp_rank", _NonNeg, 0), ("epoch", _NonNeg, 0)], forbid_unknown_fields=True)
+        ("dp_rank", _NonNeg, 0), ("epoch", _Epoch, 0)], forbid_unknown_fields=True)
     return stored, removed, msgspec.json.Decoder(batch)
 
 

@@ -99,6 +99,9 @@ class IndexerConfig(BaseModel):
     snapshot_fork: bool = Field(default=True, description="encode snapshots in a forked child (copy-on-write), "
                                 "so consumption pauses only for the fork; off or without os.fork: a thread")
     pod_timeout_s: float | None = Field(default=None, gt=0)
+    reorder_window_s: float = Field(default=10.0, ge=0, description=(
+        "a batch that skips its pod's sequence waits this long for the missing ones (a publisher's retry "
+        "after a broker restart can store them later), then the gap is accepted; 0 = apply at once"))
     predicted_ttl_s: float = Field(default=120.0, gt=0)
     predict_on_route_ttl_s: float = Field(default=2.0, gt=0)
     tier_weights: dict[str, float] = Field(default_factory=dict)
@@ -154,7 +157,7 @@ class IndexerMetrics:
 
 
 _ANOMALIES = ("unknown_parent", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",
-              "epoch_resets", "rejected")
+              "epoch_resets", "rejected", "held", "out_of_bounds")
 
 
 class IndexerService:
@@ -169,7 +172,7 @@ class IndexerService:
         self.index = index if index is not None else KvIndex(
             self.clock, tier_weights=config.tier_weights or None, predicted_ttl_s=config.predicted_ttl_s,
             predict_on_route_ttl_s=config.predict_on_route_ttl_s, pod_timeout_s=config.pod_timeout_s,
-            default_block_size=config.default_block_size)
+            default_block_size=config.default_block_size, reorder_window_s=config.reorder_window_s)
         self.registry = registry
         self.tokenizer = tokenizer
         prefix = nats_config.subject_prefix
@@ -193,6 +196,10 @@ class IndexerService:
         self._since_snapshot = 0
         self._lock = asyncio.Lock()  # applying and snapshotting exclude each other
         self._buf: list[KvEventBatch] = []
+        self._buf_seqs: list[int] = []  # the stream sequence of each queued batch
+        # (pod, epoch, seq) -> stream sequence, for batches the fold may be holding back for an
+        # earlier one: a snapshot covers the stream only up to the first of them
+        self._wait_seq: dict[tuple[str, int, int], int] = {}
         self._flush_handle: asyncio.TimerHandle | None = None
         self._taken_seq = 0  # last stream sequence decoded (applied, dead-lettered or queued)
         self._next_dseq = 1
@@ -383,7 +390,7 @@ class IndexerService:
         prev = self._put_task
         if prev is not None and not prev.done():
             await asyncio.wait({prev})  # one snapshot in flight at a time
-        seq, now = self.applied_seq, time.time()
+        seq, now = self._covered_seq(), time.time()
         if self.config.snapshot_fork and hasattr(os, "fork"):
             encoded = _forked_encode(self.index, seq, now)
         else:
@@ -402,6 +409,17 @@ class IndexerService:
         self.snapshot_seq = seq
         self.snapshot_time = now
         self.metrics.snapshots.inc()
+
+    def _covered_seq(self) -> int:
+        """The stream sequence a snapshot taken now covers: the last applied one, or just before
+        the first batch the fold still holds back (a restart re-reads and re-holds it; batches
+        applied since are then dropped as stale)."""
+        if not self.index.waiting_count:
+            self._wait_seq.clear()
+            return self.applied_seq
+        live = {k: self._wait_seq[k] for k in map(tuple, self.index.waiting()) if k in self._wait_seq}
+        self._wait_seq = live
+        return min(self.applied_seq, min(live.values(), default=self.applied_seq + 1) - 1)
 
     def _chunk_bytes(self) -> int:
         limit = getattr(self._nc, "max_payload", 0) or SNAPSHOT_CHUNK
@@ -448,6 +466,7 @@ class IndexerService:
                 self._since_snapshot += 1
             else:
                 self._buf.append(batch)
+                self._buf_seqs.append(sseq)
             self._taken_seq = sseq
         self._last_msg = msg
         self._unacked += 1
@@ -515,8 +534,13 @@ class IndexerService:
         buf = self._buf
         if not buf:
             return
+        seqs = self._buf_seqs
         self._buf = []
+        self._buf_seqs = []
         st = self.index.apply_many(buf)
+        if st.held:
+            for b, sseq in zip(buf, seqs):
+                self._wait_seq.setdefault((b.pod, b.epoch, b.seq), sseq)
         self.applied_seq = self._taken_seq
         self._since_snapshot += len(buf)
         self._count(st)
@@ -535,6 +559,8 @@ class IndexerService:
                                  headers=dict(msg.headers or {}), reason_class="unindexable",
                                  stream_seq=sseq)
             return
+        if st.held and sseq is not None:
+            self._wait_seq.setdefault((batch.pod, batch.epoch, batch.seq), sseq)
         self._count(st)
         if not st.stale_batches:
             self.metrics.lag.observe(max(0.0, self.clock.now() - batch.ts))
@@ -589,10 +615,12 @@ class IndexerService:
                 await asyncio.wait_for(self._stop.wait(), timeout=min(0.25, self.config.snapshot_every_s))
             except asyncio.TimeoutError:
                 pass
-            if (self._unacked or self._snapshot_due()) and not self._halted:
+            if (self._unacked or self._snapshot_due() or self.index.waiting_count) and not self._halted:
                 async with self._lock:
                     if not self._halted:
                         self._flush()
+                        if self.index.waiting_count:
+                            self._count(self.index.release_expired())
                         await self._ack()
                         if self._snapshot_due():
                             await self._snapshot_guarded()
@@ -611,6 +639,7 @@ class IndexerService:
             try:
                 async with self._lock:
                     self._buf = []
+                    self._buf_seqs = []
                     self._taken_seq = self.applied_seq
                     self._last_msg = None
                     self._unacked = 0

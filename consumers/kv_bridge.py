@@ -65,6 +65,7 @@ from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decod
     decode_frame,
 )
 from schemas import subjects as S
+from schemas.kv import MAX_EPOCH, MAX_SEQ
 
 log = logging.getLogger(__name__)
 
@@ -521,6 +522,10 @@ class KvBridge:
                                     f"frame has {len(frames)} parts (want topic, 8-byte seq, payload)", None)
             return
         seq = int.from_bytes(frames[1], "big")
+        if seq > MAX_SEQ:  # vLLM's seq is a signed int64: this is a corrupt frame, not a position
+            self.stats.frames += 1
+            await self._dead_letter(frames[2], f"sequence {seq} is past 2**63-1", None)
+            return
         if self._drop is not None and seq not in self._dropped and self._drop(seq):
             self._dropped.add(seq)
             return
@@ -613,6 +618,10 @@ class KvBridge:
         if not self.cfg.recover or self.stream is None:
             return
         pos = await last_stored_position(self.js, self.stream, self.subject)
+        if pos is not None and not (0 <= pos[0] <= MAX_EPOCH and 0 <= pos[1] <= MAX_SEQ):
+            log.warning("kv-bridge %s: the last stored batch has epoch %d seq %d, out of bounds; starting fresh",
+                        self._pod, *pos)
+            pos = None
         if pos is not None:
             self.tracker.epoch, self.tracker.last_seq = pos
             log.info("kv-bridge %s: continuing after epoch %d seq %d", self._pod, *pos)
