@@ -96,6 +96,9 @@ class IndexerConfig(BaseModel):
     snapshot_every_events: int = Field(default=20_000, ge=1)
     snapshot_every_s: float = Field(default=30.0, gt=0)
     snapshot_on_stop: bool = True
+    snapshot_timeout_s: float = Field(default=10.0, gt=0, description=(
+        "longest a snapshot write (or the snapshot read and bucket lookup at start) may take; past it "
+        "the snapshot is abandoned (the next one retries) or, at start, the stream is replayed"))
     snapshot_fork: bool = Field(default=True, description="encode snapshots in a forked child (copy-on-write), "
                                 "so consumption pauses only for the fork; off or without os.fork: a thread")
     pod_timeout_s: float | None = Field(default=None, gt=0)
@@ -134,6 +137,9 @@ class IndexerMetrics:
                                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
                                registry=registry)
         self.snapshots = Counter("infernex_indexer_snapshots_total", "Snapshots written", registry=registry)
+        self.snapshot_failures = Counter("infernex_indexer_snapshot_failures_total",
+                                         "Snapshots abandoned (bucket unreachable, write timed out); the fold "
+                                         "goes on and the next snapshot retries", registry=registry)
         self._service = service
         if registry is not None:
             registry.register(self)
@@ -183,6 +189,8 @@ class IndexerService:
         if spec is None:
             raise ValueError(f"no stream in the topology holds {self.subject}")
         self.stream = spec.name
+        self._replicas = spec.replicas  # the snapshot bucket follows the topology's replication
+        self._storage = spec.storage
         self.bucket = snapshot_bucket_name(prefix, config.snapshot_bucket)
         self.metrics = IndexerMetrics(registry, self)
         self._query_seconds = {via: self.metrics.query.labels(via) for via in ("api", "http", "nats")}
@@ -238,11 +246,11 @@ class IndexerService:
             raise RuntimeError(f"stream {self.stream} does not exist; run `infernex streams apply` first") from None
         self._dlq = bus.DeadLetters(self._js, consumer=self.config.durable, registry=self.registry,
                                     prefix=self.prefix)
-        try:
-            self._obj = await self._js.object_store(self.bucket)
-        except (NotFoundError, Exception):  # noqa: BLE001 - missing bucket: create it
-            self._obj = await self._js.create_object_store(self.bucket)
-        start_seq = await self._restore()
+        self._obj = await self._open_bucket()
+        start_seq = await self._restore() if self._obj is not None else 1
+        if self._obj is None:
+            log.warning("snapshot bucket %s unreachable; replaying stream %s from the start", self.bucket,
+                        self.stream)
         self._taken_seq = start_seq - 1
         await self._point_consumer(start_seq)
         if self.config.nats_query:
@@ -346,7 +354,38 @@ class IndexerService:
         return seq + 1
 
     async def _fetch_snapshot(self) -> bytes | None:
-        return await fetch_snapshot_bytes(self._js, self._obj, self.bucket, self.config.durable)
+        return await asyncio.wait_for(fetch_snapshot_bytes(self._js, self._obj, self.bucket, self.config.durable),
+                                      timeout=self.config.snapshot_timeout_s)
+
+    async def _open_bucket(self):  # noqa: ANN202 - nats-py's ObjectStore
+        """The snapshot bucket, created or re-replicated to follow the topology; None when the
+        object store does not answer within ``snapshot_timeout_s`` (the service then replays
+        the stream and retries the bucket at the next snapshot)."""
+        try:
+            return await asyncio.wait_for(self._bucket(), timeout=self.config.snapshot_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an unreachable bucket must not stop the fold
+            log.warning("snapshot bucket %s unavailable: %s: %s", self.bucket, type(exc).__name__, exc)
+            return None
+
+    async def _bucket(self):  # noqa: ANN202
+        from nats.js.api import ObjectStoreConfig, StorageType
+
+        js = self._js
+        stream = f"OBJ_{self.bucket}"
+        try:
+            info = await js.stream_info(stream)
+        except NotFoundError:
+            storage = StorageType.FILE if self._storage == "file" else StorageType.MEMORY
+            return await js.create_object_store(self.bucket, config=ObjectStoreConfig(
+                bucket=self.bucket, description="KV index snapshots", replicas=self._replicas, storage=storage))
+        if info.config.num_replicas != self._replicas:
+            log.info("snapshot bucket %s: replicas %s -> %d", self.bucket, info.config.num_replicas, self._replicas)
+            cfg = info.config
+            cfg.num_replicas = self._replicas
+            await js.update_stream(cfg)
+        return await js.object_store(self.bucket)
 
     async def _point_consumer(self, start_seq: int) -> None:
         """(Re)create the durable push consumer so it delivers from ``start_seq``, and subscribe.
@@ -376,9 +415,9 @@ class IndexerService:
 
     async def snapshot(self) -> None:
         """Write a snapshot of the current state; returns once it is stored (raises if not)."""
-        await (await self._start_snapshot())
+        await (await self._start_snapshot(wait=True))
 
-    async def _start_snapshot(self) -> asyncio.Task:
+    async def _start_snapshot(self, wait: bool = False) -> asyncio.Task | None:
         """Capture the index as it is now; encode and store it in a task.
 
         Callers hold the apply lock. With ``snapshot_fork`` (where ``os.fork`` exists) a
@@ -389,7 +428,9 @@ class IndexerService:
         """
         prev = self._put_task
         if prev is not None and not prev.done():
-            await asyncio.wait({prev})  # one snapshot in flight at a time
+            if not wait:  # one snapshot in flight at a time; the fold never waits for the store
+                return None
+            await asyncio.wait({prev})
         seq, now = self._covered_seq(), time.time()
         if self.config.snapshot_fork and hasattr(os, "fork"):
             encoded = _forked_encode(self.index, seq, now)
@@ -403,9 +444,15 @@ class IndexerService:
 
     async def _store_snapshot(self, encoded: Awaitable[bytes], seq: int, now: float) -> None:
         data = await encoded
-        await self._obj.put(self.config.durable, data,
-                            meta=ObjectMeta(name=self.config.durable, description=f"stream_seq={seq}",
-                                            options=ObjectMetaOptions(max_chunk_size=self._chunk_bytes())))
+        if self._obj is None:
+            self._obj = await self._open_bucket()
+            if self._obj is None:
+                raise RuntimeError(f"snapshot bucket {self.bucket} unreachable")
+        await asyncio.wait_for(
+            self._obj.put(self.config.durable, data,
+                          meta=ObjectMeta(name=self.config.durable, description=f"stream_seq={seq}",
+                                          options=ObjectMetaOptions(max_chunk_size=self._chunk_bytes()))),
+            timeout=self.config.snapshot_timeout_s)
         self.snapshot_seq = seq
         self.snapshot_time = now
         self.metrics.snapshots.inc()
@@ -596,16 +643,19 @@ class IndexerService:
             task = await self._start_snapshot()
         except Exception as exc:  # noqa: BLE001 - keep consuming; the next snapshot retries
             log.warning("snapshot failed: %s", exc)
+            self.metrics.snapshot_failures.inc()
             self.snapshot_clock = time.monotonic()
             return
-        task.add_done_callback(self._snapshot_stored)
+        if task is not None:
+            task.add_done_callback(self._snapshot_stored)
 
     def _snapshot_stored(self, task: asyncio.Task) -> None:
         if task.cancelled():
             return
         exc = task.exception()
         if exc is not None:  # keep consuming; retried after the next event past the period
-            log.warning("snapshot failed: %s", exc)
+            log.warning("snapshot failed: %s: %s", type(exc).__name__, exc)
+            self.metrics.snapshot_failures.inc()
             self._since_snapshot += 1
 
     async def _ticker(self) -> None:
