@@ -101,7 +101,9 @@ class IndexerConfig(BaseModel):
         "the snapshot is abandoned (the next one retries) or, at start, the stream is replayed"))
     snapshot_fork: bool = Field(default=True, description="encode snapshots in a forked child (copy-on-write), "
                                 "so consumption pauses only for the fork; off or without os.fork: a thread")
-    pod_timeout_s: float | None = Field(default=None, gt=0)
+    pod_timeout_s: float | None = Field(default=60.0, gt=0, description=(
+        "a pod that has sent nothing for this long (no batch, no bridge heartbeat: bridges send one every "
+        "10 s while the engine is quiet) is left out of answers until it sends again; null = never"))
     reorder_window_s: float = Field(default=10.0, ge=0, description=(
         "a batch that skips its pod's sequence waits this long for the missing ones (a publisher's retry "
         "after a broker restart can store them later), then the gap is accepted; 0 = apply at once"))
@@ -163,7 +165,7 @@ class IndexerMetrics:
 
 
 _ANOMALIES = ("unknown_parent", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",
-              "epoch_resets", "rejected", "held", "out_of_bounds")
+              "epoch_resets", "rejected", "held", "out_of_bounds", "heartbeats")
 
 
 class IndexerService:

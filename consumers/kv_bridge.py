@@ -404,6 +404,7 @@ class BridgeConfig:
     recover: bool = True  # continue from the last batch stored for this pod
     backfill: bool = True  # on a fresh start, replay what the engine still buffers
     gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
+    heartbeat_s: float = 10.0  # while the engine is quiet, re-state the last position this often (0 = never)
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
@@ -467,6 +468,8 @@ class KvBridge:
         self._dropped: set[int] = set()
         self._pod, self._model = cfg.pod, cfg.model
         self._decoder = FrameDecoder()
+        self._last_put = time.monotonic()
+        self._hb = 0
         self.ready = asyncio.Event()
 
     def _acked(self, item: _Item) -> None:
@@ -508,10 +511,27 @@ class KvBridge:
         if owed is not None:
             events = [OutReset(owed), *events]
         epoch = self.tracker.epoch
+        self._last_put = time.monotonic()
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
                          epoch, seq, norm.ts, events)
         await self.publisher.put(_Item(self.subject, _json_enc.encode(batch), f"{self._pod}:{epoch}:{seq}", t0,
                                        norm.blocks_stored, norm.blocks_removed))
+
+    async def _heartbeat(self) -> None:
+        """While the engine sends nothing, publish an empty batch at the last position every
+        ``heartbeat_s``: the indexer refreshes the pod's liveness from it (and applies nothing),
+        so a pod whose bridge and engine are gone expires after ``pod_timeout_s`` while a quiet
+        one does not. Its message id is distinct (``...:hb<n>``) and it is queued behind every
+        real batch, so it never overtakes one."""
+        every = self.cfg.heartbeat_s
+        t = self.tracker
+        if not every or t.last_seq is None or time.monotonic() - self._last_put < every:
+            return
+        self._hb += 1
+        self._last_put = time.monotonic()
+        batch = OutBatch(self._pod, self._model, self.cfg.dp_rank, t.epoch, t.last_seq, time.time(), [])
+        await self.publisher.put(_Item(self.subject, _json_enc.encode(batch),
+                                       f"{self._pod}:{t.epoch}:{t.last_seq}:hb{self._hb}", self._last_put))
 
     async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
         """Handle one live frame from the SUB socket (public for tests and benches)."""
@@ -642,6 +662,7 @@ class KvBridge:
                 if sender.done():
                     sender.result()  # surface a crash
                 if not await sub.poll(100):
+                    await self._heartbeat()
                     continue
                 t0 = time.monotonic()
                 for _ in range(1000):

@@ -25,6 +25,8 @@ Deliberate handling of bad input (counted in :class:`ApplyStats`, never corrupti
       message stream stored out of order (a publisher's retry after a broker restart) thus
       folds in the engine's order. :meth:`release_expired` applies what has waited long enough
       (a service calls it periodically);
+    * an empty batch at the pod's current ``(epoch, seq)`` is a heartbeat: it refreshes the
+      pod's ``last_seen`` (see ``pod_timeout_s``) and changes nothing else;
     * an epoch above ``MAX_EPOCH`` (2**32-1), a seq above ``MAX_SEQ`` (2**63-1), or an epoch
       more than ``MAX_EPOCH_JUMP`` above the pod's is dropped (``out_of_bounds``): one corrupt
       batch cannot make every later real batch look stale;
@@ -160,6 +162,7 @@ class ApplyStats:
     gone: int = 0  # PodGone events
     rejected: int = 0  # events rejected (block size differs from the model's)
     held: int = 0  # batches held back until an earlier missing one arrives (reordering on)
+    heartbeats: int = 0  # empty batches at the pod's position: liveness refreshed, nothing applied
     out_of_bounds: int = 0  # batches with an epoch or seq past the bounds, or an epoch jump: dropped
 
     def __iadd__(self, other: "ApplyStats") -> "ApplyStats":
@@ -601,6 +604,12 @@ class KvIndex:
 
     def _apply_now(self, batch: KvEventBatch, st: ApplyStats, now: float) -> None:
         name = batch.pod
+        if not batch.events:
+            p = self._pods.get(name)
+            if p is not None and p.epoch == batch.epoch and p.seq == batch.seq:
+                st.heartbeats += 1  # a bridge's heartbeat: the pod is alive, nothing changed
+                p.last_seen = now
+                return
         if self._gone:
             tomb = self._gone.get(name)
             if tomb is not None:

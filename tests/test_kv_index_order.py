@@ -127,3 +127,21 @@ def test_any_arrival_order_within_the_window_gives_the_engines_state(order, dup)
     idx.apply_many(arrivals)
     assert idx.waiting_count == 0
     assert idx == in_order(h)
+
+
+def test_heartbeats_keep_a_quiet_pod_live_and_a_silent_one_expires():
+    clock = ManualClock()
+    h = history(2)
+    idx = KvIndex(clock, pod_timeout_s=60, reorder_window_s=10)
+    idx.apply_many(h + [KvEventBatch(pod="q", model="m", seq=0, ts=0.0, events=[
+        BlockStored(block_hashes=[9], token_ids=toks(9), block_size=BS)])])
+    for _ in range(5):  # p's bridge re-states p's position every 20 s; q's bridge is gone
+        clock.advance(20)
+        st = idx.apply(KvEventBatch(pod="p", model="m", seq=1, ts=0.0, events=[]))
+        assert st.heartbeats == 1 and st.stale_batches == 0
+    assert idx.pods()["p"].live and not idx.pods()["q"].live
+    assert idx.match_tokens("m", toks(9)).get("q") is None or idx.match_tokens("m", toks(9))["q"].matched_blocks == 0
+    idx.pod_timeout_s = None
+    assert idx.match_tokens("m", toks(9))["q"].matched_blocks == 1  # its blocks are kept, only left out
+    assert idx == in_order(h + [KvEventBatch(pod="q", model="m", seq=0, ts=0.0, events=[
+        BlockStored(block_hashes=[9], token_ids=toks(9), block_size=BS)])])  # nothing else changed
