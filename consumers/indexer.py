@@ -57,6 +57,7 @@ from schemas.kv import U64, BlockStored, PodGone
 from streams.kv_core import parse_uint_arrays
 from schemas import subjects as S
 from schemas.config import NatsConfig
+from consumers.indexer_config import IndexerConfig  # noqa: F401 - settings import it without the service
 from streams.clock import Clock, SystemClock
 from streams.kv_index import KvIndex, warm_up
 from streams.topology import StreamSpec, build_topology, stream_for_subject
@@ -68,34 +69,6 @@ _LITTLE = sys.byteorder == "little"
 ACK_IDLE_S = 0.05  # while messages trickle in, ack at most this often
 FLUSH_DELAY_S = 0.002  # while messages trickle in, fold them in runs at most this much later
 SNAPSHOT_CHUNK = 1 << 20  # object-store chunk bytes (nats-py's default, 128 KiB, costs 8x the messages)
-
-
-class IndexerConfig(BaseModel):
-    """The ``indexer`` settings section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    durable: str = Field(default="kv-indexer", pattern=r"^[A-Za-z0-9_-]+$",
-                         description="durable consumer name; one per indexer instance")
-    http_host: str = "127.0.0.1"
-    http_port: int | None = Field(default=8090, ge=0, le=65535, description="0 = a free port; null = no HTTP")
-    nats_query: bool = Field(default=True, description="answer kv.index.query requests")
-    snapshot_bucket: str = Field(default="kv-index-snapshots", pattern=r"^[A-Za-z0-9_-]+$")
-    snapshot_every_events: int = Field(default=20_000, ge=1)
-    snapshot_every_s: float = Field(default=30.0, gt=0)
-    snapshot_on_stop: bool = True
-    snapshot_fork: bool = Field(default=True, description="encode snapshots in a forked child (copy-on-write), "
-                                "so consumption pauses only for the fork; off or without os.fork: a thread")
-    pod_timeout_s: float | None = Field(default=None, gt=0)
-    predicted_ttl_s: float = Field(default=120.0, gt=0)
-    predict_on_route_ttl_s: float = Field(default=2.0, gt=0)
-    tier_weights: dict[str, float] = Field(default_factory=dict)
-    default_block_size: int | None = Field(default=None, gt=0,
-                                           description="block size for models without KV events (approximate mode)")
-    tokenizer: str | None = Field(default=None, description="tokenizer spec for prompt/messages queries")
-    fetch_batch: int = Field(default=512, ge=1, description="most batches folded in one apply_many call")
-    max_ack_pending: int = Field(default=8192, ge=16, description="messages the server may have unacked in flight")
-    ack_wait_s: float = Field(default=30.0, gt=0)
 
 
 class Tokenizer(Protocol):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import time
 from typing import Optional
@@ -13,26 +12,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from infernex.commands.common import parse_duration
 from infernex.settings import Settings
 
 console = Console()
 err = Console(stderr=True)
 
 sla_app = typer.Typer(help="SLA history: report, schema migrations, row counts.", no_args_is_help=True)
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    """``90s``, ``15m``, ``1h``, ``2d``, ``1h30m`` or plain seconds."""
-    t = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", t):
-        return float(t)
-    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", t)
-    if not parts or "".join(a + b for a, b in parts) != t:
-        raise typer.BadParameter(f"{text!r} is not a duration like 90s, 15m, 1h, 2d")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
-
 
 def _settings(ctx: typer.Context) -> Settings:
     from infernex.cli import settings_of
