@@ -1139,6 +1139,20 @@ class IndexerService:
                 "pods": len(self.index.pods()),
                 "blocks": len(self.index), "dead_letters": self._dlq.count if self._dlq else 0}
 
+    def _probes(self):
+        """``/healthz``: the loop answers; ``/readyz``: NATS connected and the durable's lag small."""
+        from consumers.health import Check, Health, lag_check, nats_check
+
+        def nats() -> Check:
+            return nats_check(self._nc)() if self._nc is not None else Check(False, {"state": "starting"})
+
+        async def lag() -> Check:
+            if self._nc is None:
+                return Check(False, {"state": "starting"})
+            return await lag_check(self._nc.jetstream(), self.config.durable)()
+
+        return Health(f"indexer {self.config.durable}").add("nats", nats).add("consumer_lag", lag)
+
     def http_app(self):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         from starlette.applications import Starlette
@@ -1160,6 +1174,16 @@ class IndexerService:
         async def health(request: Request):
             return JSONResponse(self.health())
 
+        probes = self._probes()
+
+        async def healthz(request: Request):
+            status, body = await probes.report(ready=False)
+            return JSONResponse(body, status_code=status)
+
+        async def readyz(request: Request):
+            status, body = await probes.report(ready=True)
+            return JSONResponse(body, status_code=status)
+
         async def state(request: Request):
             return JSONResponse({"fingerprint": self.index.fingerprint(), "applied_seq": self.applied_seq})
 
@@ -1173,6 +1197,8 @@ class IndexerService:
             Route("/v1/index/pods", pods, methods=["GET"]),
             Route("/v1/index/state", state, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ])
         json_type = (b"content-type", b"application/json")
