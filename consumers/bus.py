@@ -65,18 +65,30 @@ async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
             ctx.verify_mode = ssl.CERT_NONE
         opts["tls"] = ctx
 
-    async def _err(e: Exception) -> None:
-        log.warning("nats: %s", e)
+    first: list[Exception] = []  # errors before the first connection: the reason if it never comes
 
+    async def _err(e: Exception) -> None:
+        if connected:
+            log.warning("nats: %s", e)
+        else:
+            first.append(e)
+            log.debug("nats (connecting): %s", e)
+
+    connected = False
     opts["error_cb"] = _err
     try:
         # nats-py keeps retrying the first connect when reconnects are allowed; bound it.
-        return await asyncio.wait_for(nats.connect(**opts), timeout=cfg.connect_timeout_s * 2)
+        nc = await asyncio.wait_for(nats.connect(**opts), timeout=cfg.connect_timeout_s * 2)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         from schemas.redact import redact, redact_url
 
+        reason = str(exc) or (str(first[-1]) if first else "") or type(exc).__name__
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and first:
+            reason = f"{first[-1]} (gave up after {cfg.connect_timeout_s * 2:g} s)"
         where = ", ".join(redact_url(s) for s in cfg.servers)
-        raise ConnectionError(redact(f"cannot connect to NATS at {where}: {exc}")) from None
+        raise ConnectionError(redact(f"cannot connect to NATS at {where}: {reason}")) from None
+    connected = True
+    return nc
 
 
 def to_stream_config(spec: StreamSpec) -> StreamConfig:

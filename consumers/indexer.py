@@ -39,7 +39,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, Ob
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field  # noqa: F401
 
 from consumers import bus
 from consumers.index_api import (  # noqa: F401 - re-exported: the indexer's public API
@@ -71,6 +71,7 @@ from consumers.index_snapshots import (  # noqa: F401 - re-exported
 from schemas import KvEventBatch, decode_event, ValidationFailure
 from schemas import subjects as S
 from schemas.config import NatsConfig
+from consumers.indexer_config import IndexerConfig  # noqa: F401 - settings import it without the service
 from streams.clock import Clock, SystemClock
 from streams.kv_index import KvIndex, warm_up
 from streams.topology import StreamSpec, build_topology, stream_for_subject
@@ -80,42 +81,6 @@ log = logging.getLogger(__name__)
 ACK_IDLE_S = 0.05  # while messages trickle in, ack at most this often
 FLUSH_DELAY_S = 0.002  # while messages trickle in, fold them in runs at most this much later
 SNAPSHOT_CHUNK = 1 << 20  # object-store chunk bytes (nats-py's default, 128 KiB, costs 8x the messages)
-
-
-class IndexerConfig(BaseModel):
-    """The ``indexer`` settings section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    durable: str = Field(default="kv-indexer", pattern=r"^[A-Za-z0-9_-]+$",
-                         description="durable consumer name; one per indexer instance")
-    http_host: str = "127.0.0.1"
-    http_port: int | None = Field(default=8090, ge=0, le=65535, description="0 = a free port; null = no HTTP")
-    nats_query: bool = Field(default=True, description="answer kv.index.query requests")
-    snapshot_bucket: str = Field(default="kv-index-snapshots", pattern=r"^[A-Za-z0-9_-]+$")
-    snapshot_every_events: int = Field(default=20_000, ge=1)
-    snapshot_every_s: float = Field(default=30.0, gt=0)
-    snapshot_on_stop: bool = True
-    snapshot_timeout_s: float = Field(default=10.0, gt=0, description=(
-        "longest a snapshot write (or the snapshot read and bucket lookup at start) may take; past it "
-        "the snapshot is abandoned (the next one retries) or, at start, the stream is replayed"))
-    snapshot_fork: bool = Field(default=True, description="encode snapshots in a forked child (copy-on-write), "
-                                "so consumption pauses only for the fork; off or without os.fork: a thread")
-    pod_timeout_s: float | None = Field(default=60.0, gt=0, description=(
-        "a pod that has sent nothing for this long (no batch, no bridge heartbeat: bridges send one every "
-        "10 s while the engine is quiet) is left out of answers until it sends again; null = never"))
-    reorder_window_s: float = Field(default=10.0, ge=0, description=(
-        "a batch that skips its pod's sequence waits this long for the missing ones (a publisher's retry "
-        "after a broker restart can store them later), then the gap is accepted; 0 = apply at once"))
-    predicted_ttl_s: float = Field(default=120.0, gt=0)
-    predict_on_route_ttl_s: float = Field(default=2.0, gt=0)
-    tier_weights: dict[str, float] = Field(default_factory=dict)
-    default_block_size: int | None = Field(default=None, gt=0,
-                                           description="block size for models without KV events (approximate mode)")
-    tokenizer: str | None = Field(default=None, description="tokenizer spec for prompt/messages queries")
-    fetch_batch: int = Field(default=512, ge=1, description="most batches folded in one apply_many call")
-    max_ack_pending: int = Field(default=8192, ge=16, description="messages the server may have unacked in flight")
-    ack_wait_s: float = Field(default=30.0, gt=0)
 
 
 class IndexerMetrics:
@@ -746,6 +711,20 @@ class IndexerService:
                 "pods": len(self.index.pods()),
                 "blocks": len(self.index), "dead_letters": self._dlq.count if self._dlq else 0}
 
+    def _probes(self):
+        """``/healthz``: the loop answers; ``/readyz``: NATS connected and the durable's lag small."""
+        from consumers.health import Check, Health, lag_check, nats_check
+
+        def nats() -> Check:
+            return nats_check(self._nc)() if self._nc is not None else Check(False, {"state": "starting"})
+
+        async def lag() -> Check:
+            if self._nc is None:
+                return Check(False, {"state": "starting"})
+            return await lag_check(self._nc.jetstream(), self.config.durable)()
+
+        return Health(f"indexer {self.config.durable}").add("nats", nats).add("consumer_lag", lag)
+
     def http_app(self):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         from starlette.applications import Starlette
@@ -767,6 +746,16 @@ class IndexerService:
         async def health(request: Request):
             return JSONResponse(self.health())
 
+        probes = self._probes()
+
+        async def healthz(request: Request):
+            status, body = await probes.report(ready=False)
+            return JSONResponse(body, status_code=status)
+
+        async def readyz(request: Request):
+            status, body = await probes.report(ready=True)
+            return JSONResponse(body, status_code=status)
+
         async def state(request: Request):
             return JSONResponse({"fingerprint": self.index.fingerprint(), "applied_seq": self.applied_seq})
 
@@ -780,6 +769,8 @@ class IndexerService:
             Route("/v1/index/pods", pods, methods=["GET"]),
             Route("/v1/index/state", state, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ])
         json_type = (b"content-type", b"application/json")

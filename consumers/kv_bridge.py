@@ -422,6 +422,7 @@ class BridgeStats:
     restarts: int = 0
     published: int = 0
     blocks: int = 0
+    last_frame_at: float | None = None  # time.monotonic() of the last live frame (for /readyz)
 
 
 async def last_stored_position(js: JetStreamContext, stream: str, subject: str) -> tuple[int, int] | None:
@@ -536,6 +537,7 @@ class KvBridge:
     async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
         """Handle one live frame from the SUB socket (public for tests and benches)."""
         t0 = time.monotonic() if t0 is None else t0
+        self.stats.last_frame_at = t0
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.frames += 1
             await self._dead_letter(b"".join(frames[-1:]),
@@ -684,8 +686,10 @@ class KvBridge:
 
 
 async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: CollectorRegistry | None = None,
-                     stop: asyncio.Event | None = None) -> BridgeStats:
-    """Connect to NATS and run one bridge until ``stop`` (CLI entry)."""
+                     stop: asyncio.Event | None = None, health=None,
+                     max_frame_age_s: float | None = None) -> BridgeStats:
+    """Connect to NATS and run one bridge until ``stop`` (CLI entry); ``health`` (a
+    :class:`consumers.health.Health`) gets its checks: NATS connected, age of the last frame."""
     from streams.topology import build_topology, stream_for_subject
 
     stop = stop or asyncio.Event()
@@ -696,6 +700,11 @@ async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: Co
         spec = stream_for_subject(topo, subject)
         bridge = KvBridge(cfg, nc, subject_prefix=nats_cfg.subject_prefix, registry=registry,
                           stream=spec.name if spec else None)
+        if health is not None:
+            from consumers.health import age_check, nats_check
+
+            health.add("nats", nats_check(nc)).add(
+                "kv_frames", age_check(lambda: bridge.stats.last_frame_at, max_age_s=max_frame_age_s))
         return await bridge.run(stop)
     finally:
         await nc.close()

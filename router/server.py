@@ -202,6 +202,8 @@ class RouterService:
         app.add("GET", "/v1/models", self.models)
         app.add("GET", "/health", self.health)
         app.add("GET", "/ready", self.ready)
+        app.add("GET", "/healthz", self.health)  # the probe names every component answers (issue 21)
+        app.add("GET", "/readyz", self.ready)
         app.add("GET", "/metrics", self.prom)
         app.add("POST", "/v1/router/decide", self.decide)
         app.add("GET", "/v1/router/backends", self.backends)
