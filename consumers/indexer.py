@@ -39,7 +39,6 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, Ob
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field  # noqa: F401
 
 from consumers import bus
 from consumers.index_api import (  # noqa: F401 - re-exported: the indexer's public API

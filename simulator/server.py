@@ -741,12 +741,7 @@ class SimEngine:
     def _prompt_ids(self, body: dict) -> list[int]:
         """The ids the engine would run for a completions ``prompt`` or chat ``messages`` body."""
         try:
-            if "messages" in body:
-                messages = body["messages"]
-                if not isinstance(messages, list) or not messages:
-                    raise ValueError("messages must be a non-empty list")
-                return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
-            return prompt_to_ids(self.tokenizer, body.get("prompt"), body.get("prompt_token_ids"))
+            return request_to_ids(self.tokenizer, "chat" if "messages" in body else "completions", body)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages" if "messages" in body else "prompt") from None
 
