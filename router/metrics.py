@@ -122,3 +122,24 @@ class FastMetrics:
             yield (CounterMetricFamily if f.kind == "counter" else HistogramMetricFamily)(f.name, f.doc)
         for name, doc, _ in self._gauges:
             yield GaugeMetricFamily(name, doc)
+
+
+class PluginEventsCollector:
+    """``infernex_router_plugin_events_total{plugin, event}``: what strategy plugins count
+    (:meth:`router.plugins.base.Plugin.events`), e.g. PD-Bucket falling back to another group."""
+
+    def __init__(self, strategy_getter) -> None:  # noqa: ANN001 - a callable returning the live Strategy
+        self._strategy = strategy_getter
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("infernex_router_plugin_events", "Events counted by strategy plugins",
+                                  labels=["plugin", "event"])
+        seen = set()
+        for prof in self._strategy().profiles.values():
+            for p in prof.filters + [s for s, _ in prof.scorers] + [prof.picker]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                for ev, n in p.events().items():
+                    fam.add_metric([p.name, ev], n)
+        yield fam

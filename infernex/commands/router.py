@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 from pathlib import Path
@@ -27,7 +28,9 @@ def _parse_backend(spec: str):
         return StaticBackend(pod=pod, url=url, model=model, role=more[0] if more else "aggregated",
                              group=more[1] if len(more) > 1 else None)
     except ValueError as exc:
-        raise typer.BadParameter(f"backend {spec!r}: expected pod=url@model[:role[:group]] ({exc})") from None
+        from schemas.redact import redact
+
+        raise typer.BadParameter(redact(f"backend {spec!r}: expected pod=url@model[:role[:group]] ({exc})")) from None
 
 
 def router_cmd(
@@ -57,9 +60,10 @@ def router_cmd(
         return
     try:
         settings = load_settings(config) if config else settings_of(ctx)
-    except Exception as exc:  # noqa: BLE001 - shown as a clear error
-        err.print(f"[red]invalid settings:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except ValueError as exc:  # SettingsError: one line naming the file and key
+        from infernex.commands.common import fail
+
+        fail(f"invalid settings: {exc}", code=2)
     cfg = settings.router
     upd: dict = {}
     if host is not None:
@@ -93,11 +97,18 @@ def router_cmd(
         run = uvloop.run
     except ImportError:
         run = asyncio.run
+    from infernex.commands.common import busy_port, fail, nats_error, port_in_use
+
+    if port_in_use(cfg.host, cfg.port):
+        fail(busy_port("cannot start the router", cfg.host, cfg.port))
     try:
         run(_serve(cfg, settings.nats))
     except ConnectionError as exc:
-        err.print(f"[red]{exc}[/red] (use --no-bus to run without NATS)")
-        raise typer.Exit(1) from None
+        fail(nats_error(exc) + "; or use --no-bus to run without NATS")
+    except OSError as exc:  # the port was taken between the check and the bind
+        if exc.errno == errno.EADDRINUSE:
+            fail(busy_port("cannot start the router", cfg.host, cfg.port))
+        fail(f"cannot start the router on {cfg.host}:{cfg.port}: {exc.strerror or exc}")
 
 
 async def _serve(cfg, nats_cfg) -> None:
