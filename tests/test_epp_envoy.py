@@ -47,7 +47,7 @@ async def engines(*roles: str, blocks: int = 8192):
 
 @contextlib.asynccontextmanager
 async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUPLEX_STREAMED",
-                failure_mode_allow=False, fallback=None):
+                failure_mode_allow=False, fallback=None, subset=None):
     epp_port = free_port()
     app = RouterApp(RouterConfig(strategy=strategy, backends=backends, bus=nats is not None, records=False,
                                  epp_port=epp_port, seed=1, kv_snapshot=None), nats)
@@ -55,7 +55,7 @@ async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUP
     try:
         await app.start("127.0.0.1", 0)
         cfg = envoy_config(free_port(), free_port(), ("127.0.0.1", epp_port), body_mode=body_mode,
-                           failure_mode_allow=failure_mode_allow,
+                           failure_mode_allow=failure_mode_allow, subset=subset,
                            fallback=fallback or [_hp(b.url) for b in backends])
         env = await asyncio.to_thread(EnvoyProcess(cfg).start)
         async with client(env) as c:
@@ -221,3 +221,19 @@ async def test_pd_through_the_prefiller_header():
                                                      {"pod": "p0", "stage": "prefill"}) == 2
         finally:
             await sidecar.stop()
+
+
+async def test_envoy_subset_hint_restricts_the_pick():
+    """Envoy puts envoy.lb.subset_hint metadata on the request (set_metadata filter) and forwards
+    it to the picker: every pick stays inside the subset; a subset the picker cannot serve is 503."""
+    async with engines("aggregated", "aggregated", "aggregated") as cluster:
+        backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
+        allowed = endpoint_of(backends[2].url)
+        async with stack(backends, subset=[allowed]) as (app, env, c):
+            for k in range(6):
+                r = await c.completions.with_raw_response.create(model=MODEL, prompt=f"req {k}", max_tokens=2)
+                assert r.headers["x-upstream-host"] == allowed
+        async with stack(backends, subset=["10.255.0.1:8000"]) as (app, env, c):
+            with pytest.raises(openai.InternalServerError) as ei:
+                await c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            assert ei.value.status_code == 503 and ei.value.body["code"] == "no_backend"
