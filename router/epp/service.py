@@ -156,6 +156,22 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         b = min(ok, key=lambda b: (b.inflight + b.waiting, b.pod))
         return P.routing_mutation([self.endpoint(b)], None)
 
+    def _served(self, r: _Req, served: str) -> None:
+        """The proxy reports (``x-gateway-destination-endpoint-served``) that a fallback served the
+        request: its in-flight count moves there from the primary pick."""
+        if not r.picked:
+            return
+        b, n, pre = r.picked[-1]
+        if self.endpoint(b) == served:
+            return
+        other = next((x for x in self.svc.state.snapshot() if self.endpoint(x) == served), None)
+        if other is None:
+            return
+        st = self.svc.state
+        st.finished(b, n, pre)
+        st.started(other, n, pre)
+        r.picked[-1] = (other, n, pre)
+
     def _release(self, r: _Req) -> None:
         for b, n, pre in r.picked:
             self.svc.state.finished(b, n, pre)
@@ -218,6 +234,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                             yield m
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif which == "response_headers":
+                    served = P.served_endpoint(req)
+                    if served is not None:
+                        self._served(r, served)
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
                 elif which == "response_body":
                     rb = req.response_body
