@@ -216,3 +216,14 @@ async def test_served_fallback_takes_over_the_in_flight_count(epp):
             break
         await asyncio.sleep(0.01)
     assert by_ep[fallback].inflight == 0
+
+
+async def test_streamed_mode_routes_on_the_headers_and_passes_chunks(epp):
+    svc, _, stub, _ = await epp()
+    svc.state.get("p0").waiting = 3
+    svc.state.get("p2").waiting = 1
+    out = await converse(stub, [headers_msg(mode=processing_mode_pb2.ProcessingMode.STREAMED),
+                                *body_msgs(chat("z" * 100_000))])
+    assert set_headers(out[0].request_headers.response)[P.DESTINATION] == "10.0.0.2:8000"
+    assert [m.WhichOneof("response") for m in out[1:]] == ["request_body"] * 2
+    assert not any(m.request_body.response.body_mutation.ListFields() for m in out[1:])
