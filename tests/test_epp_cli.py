@@ -9,11 +9,11 @@ import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from proctools import stop_process
+from test_epp_protocol import body_msgs, chat, converse, headers_msg, set_headers
+
 from router.epp import protocol as P
 from router.epp.envoy import free_port
-from test_epp_protocol import body_msgs, chat, converse, headers_msg, set_headers
 
 
 async def test_router_cli_serves_the_picker():

@@ -87,7 +87,7 @@ def pod_of(headers, backends) -> str:
 async def test_openai_client_through_envoy_chat_stream_completions(body_mode):
     async with engines("aggregated", "aggregated") as cluster:
         backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
-        async with stack(backends, body_mode=body_mode) as (app, env, c):
+        async with stack(backends, body_mode=body_mode) as (app, _env, c):
             r = await c.chat.completions.with_raw_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4)
             chat = r.parse()
@@ -138,7 +138,7 @@ async def test_kv_aware_picks_through_envoy_equal_the_http_routers(nats_config, 
                 bridges.append(asyncio.create_task(b.run(stop)))
                 await asyncio.wait_for(b.ready.wait(), 15)
             backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
-            async with stack(backends, nats=nats_config) as (app, env, c):
+            async with stack(backends, nats=nats_config) as (app, _env, c):
                 shared = [(i * 7919) % 30000 + 20 for i in range(320)]  # 20 blocks
                 await c.completions.create(model=MODEL, prompt=shared + [1, 2, 3], max_tokens=2)
                 assert await wait_for(lambda: any(m.matched_blocks >= 20 for m in
@@ -158,7 +158,7 @@ async def test_kv_aware_picks_through_envoy_equal_the_http_routers(nats_config, 
             for t in bridges:
                 try:
                     await asyncio.wait_for(t, 10)
-                except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best-effort teardown
+                except (TimeoutError, Exception):  # noqa: BLE001 - best-effort teardown
                     t.cancel()
 
 
@@ -201,7 +201,7 @@ async def test_pd_through_the_prefiller_header():
         try:
             backends = [StaticBackend(pod=pre.engine_id, url=pre.url, model=MODEL, role="prefill", group="g"),
                         StaticBackend(pod=dec.engine_id, url=sidecar.url, model=MODEL, role="decode", group="g")]
-            async with stack(backends, strategy="pd-kv-aware") as (app, env, c):
+            async with stack(backends, strategy="pd-kv-aware") as (app, _env, c):
                 long_prompt = "the quick brown fox " * 200  # well above the 256-token threshold
                 r = await c.chat.completions.with_raw_response.create(
                     model=MODEL, messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
@@ -229,11 +229,11 @@ async def test_envoy_subset_hint_restricts_the_pick():
     async with engines("aggregated", "aggregated", "aggregated") as cluster:
         backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
         allowed = endpoint_of(backends[2].url)
-        async with stack(backends, subset=[allowed]) as (app, env, c):
+        async with stack(backends, subset=[allowed]) as (_app, _env, c):
             for k in range(6):
                 r = await c.completions.with_raw_response.create(model=MODEL, prompt=f"req {k}", max_tokens=2)
                 assert r.headers["x-upstream-host"] == allowed
-        async with stack(backends, subset=["10.255.0.1:8000"]) as (app, env, c):
+        async with stack(backends, subset=["10.255.0.1:8000"]) as (_app, _env, c):
             with pytest.raises(openai.InternalServerError) as ei:
                 await c.completions.create(model=MODEL, prompt="x", max_tokens=2)
             assert ei.value.status_code == 503 and ei.value.body["code"] == "no_backend"

@@ -126,7 +126,7 @@ class EnvoyProcess:
         self.admin = "http://127.0.0.1:{}".format(config["admin"]["address"]["socket_address"]["port_value"])
         self.log = Path(self._dir.name) / "envoy.log"
 
-    def start(self, timeout: float = 20.0) -> "EnvoyProcess":
+    def start(self, timeout: float = 20.0) -> EnvoyProcess:
         path = Path(self._dir.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(self.config))
         self.proc = subprocess.Popen(
@@ -163,7 +163,7 @@ class EnvoyProcess:
                 self.proc.wait(5)
         self._dir.cleanup()
 
-    def __enter__(self) -> "EnvoyProcess":
+    def __enter__(self) -> EnvoyProcess:  # noqa: PYI034 - start() returns self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import msgspec
@@ -65,7 +66,7 @@ class _Reject(Exception):
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     """The ext_proc servicer. ``fallbacks``: how many next-best endpoints follow the pick."""
 
-    def __init__(self, service: "RouterService", *, fallbacks: int = 0):
+    def __init__(self, service: RouterService, *, fallbacks: int = 0):
         self.svc = service
         self.fallbacks = fallbacks
         self._ep: dict[str, str] = {}
@@ -182,7 +183,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         r.picked.clear()
 
     # -- the stream ------------------------------------------------------------------------
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:
         r = _Req()
         limit = self.svc.cfg.max_body_bytes
         try:
@@ -269,7 +270,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 class EppServer:
     """The gRPC server: the ext_proc service and the gRPC health service on one port."""
 
-    def __init__(self, service: "RouterService", *, fallbacks: int = 0):
+    def __init__(self, service: RouterService, *, fallbacks: int = 0):
         self.picker = EndpointPicker(service, fallbacks=fallbacks)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -304,7 +305,7 @@ class EppServer:
             self.server = None
 
 
-async def start_epp(service: "RouterService", host: str, port: int, *, fallbacks: int = 0) -> EppServer:
+async def start_epp(service: RouterService, host: str, port: int, *, fallbacks: int = 0) -> EppServer:
     """Start the endpoint picker beside ``service`` (sharing its router, state and KV index)."""
     srv = EppServer(service, fallbacks=fallbacks)
     await srv.start(host, port)
