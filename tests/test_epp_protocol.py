@@ -174,11 +174,18 @@ async def test_grpc_health_reports_liveness_readiness_and_the_service(epp):
     for name in ("liveness", "readiness", P.SERVICE):
         r = await h.Check(health_pb2.HealthCheckRequest(service=name))
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-    await srv.set_serving(False)
-    r = await h.Check(health_pb2.HealthCheckRequest(service="readiness"))
-    assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    r = await h.Check(health_pb2.HealthCheckRequest(service="liveness"))
-    assert r.status == health_pb2.HealthCheckResponse.SERVING
+    # readiness follows the router: no usable backend (or draining) -> NOT_SERVING, liveness stays
+    for b in srv.svc.state.snapshot():
+        b.health = "critical"
+    assert await srv.check_ready() is False
+    for name, want in (("readiness", "NOT_SERVING"), (P.SERVICE, "NOT_SERVING"), ("liveness", "SERVING")):
+        r = await h.Check(health_pb2.HealthCheckRequest(service=name))
+        assert r.status == getattr(health_pb2.HealthCheckResponse, want), name
+    for b in srv.svc.state.snapshot():
+        b.health = "ok"
+    assert await srv.check_ready() is True
+    srv.svc.draining = True
+    assert await srv.check_ready() is False
 
 
 def test_endpoint_of_urls():

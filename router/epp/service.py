@@ -268,9 +268,17 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
 
 class EppServer:
-    """The gRPC server: the ext_proc service and the gRPC health service on one port."""
+    """The gRPC server: the ext_proc service and the gRPC health service on one port.
 
-    def __init__(self, service: RouterService, *, fallbacks: int = 0):
+    Health as GIE's EPP reports it: ``liveness`` SERVING while the process answers; ``readiness``
+    and the ext_proc service name SERVING while the router is not draining and knows at least one
+    usable backend (the router's own ``/ready`` rule), re-checked every ``ready_every_s``."""
+
+    def __init__(self, service: RouterService, *, fallbacks: int = 0, ready_every_s: float = 1.0):
+        self.svc = service
+        self.ready_every_s = ready_every_s
+        self._ready: bool | None = None
+        self._task: asyncio.Task | None = None
         self.picker = EndpointPicker(service, fallbacks=fallbacks)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -285,21 +293,45 @@ class EppServer:
         if bound == 0:
             raise OSError(f"endpoint picker: cannot listen on {host}:{port}")
         await server.start()
-        for name in _HEALTH_NAMES:
-            r = self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-            if asyncio.iscoroutine(r):
-                await r
+        r = self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(r):
+            await r
         self.server, self.port = server, bound
+        await self.check_ready()
+        self._task = asyncio.create_task(self._watch_ready())
         return f"{host}:{bound}"
+
+    def is_ready(self) -> bool:
+        svc = self.svc
+        return not svc.draining and any(b.health != "critical" and not b.circuit_open for b in svc.state.snapshot())
+
+    async def check_ready(self) -> bool:
+        ready = self.is_ready()
+        if ready != self._ready:
+            self._ready = ready
+            await self.set_serving(ready)
+        return ready
+
+    async def _watch_ready(self) -> None:
+        while True:
+            await asyncio.sleep(self.ready_every_s)
+            await self.check_ready()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in _HEALTH_NAMES[2:]:
+        for name in ("", *_HEALTH_NAMES[2:]):
             r = self.health.set(name, status)
             if asyncio.iscoroutine(r):
                 await r
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
