@@ -176,6 +176,13 @@ async def main_async(args) -> None:
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50), "wall": wall}
                 results[name].append(row)
+                errs = {}
+                for r in res.requests:
+                    if r.status != "ok":
+                        k = f"{r.status} {r.http_status} {(r.error or '')[:80]}"
+                        errs[k] = errs.get(k, 0) + 1
+                for k, v in sorted(errs.items(), key=lambda kv: -kv[1])[:3]:
+                    print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
                       f"{row['e2e50']:.2f}s  ({wall:.0f}s wall, load {os.getloadavg()[0]:.1f})", flush=True)
