@@ -27,7 +27,7 @@ from router import openapi
 from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
-from router.metrics import FastMetrics
+from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics
 from router.core import Router
 from router.records import RecordSink, decision_json
 from router.resilience import RateLimiter
@@ -116,13 +116,20 @@ class RouterMetrics:
     """Per-request metrics are cheap :mod:`router.metrics` families; the rare events
     (rejections, retries, migrations) are prometheus_client counters."""
 
-    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0):
+    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0, queued=lambda: 0):
         fast = FastMetrics(registry)
         self.requests = fast.counter("infernex_router_requests_total", "Requests by outcome", ["strategy", "status"])
         self.duration = fast.histogram("infernex_router_request_duration_seconds", "End-to-end request time",
-                                       ["strategy"])
+                                       ["strategy"], buckets=LATENCY_BUCKETS)
         self.ttft = fast.histogram("infernex_router_ttft_seconds", "Time to first token through the router",
-                                   ["strategy"])
+                                   ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
+        self.itl = fast.histogram("infernex_router_itl_seconds",
+                                  "Mean inter-token latency of a streamed request through the router",
+                                  ["strategy", "pool", "role"], buckets=ITL_BUCKETS)
+        self.queue = fast.histogram("infernex_router_queue_seconds",
+                                    "Time a request waited for a backend slot (admission control)",
+                                    ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
+        fast.gauge_function("infernex_router_queued_requests", "Requests waiting for a backend slot", queued)
         self.decision = fast.histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
                                        ["strategy"],
                                        buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
@@ -153,11 +160,12 @@ class RouterService:
         self.state = state or ClusterState(cfg)
         self.index = index
         self.registry = registry or CollectorRegistry()
-        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight)
+        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight,
+                                     queued=lambda: self.admission.queued)
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
-        self._m_ttft = self.metrics.ttft.labels(name)
+        self._m_role: dict[str, tuple[Any, Any, Any]] = {}  # role -> (ttft, itl, queue) children
         self._m_regret = self.metrics.regret.labels(name)
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
         self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
@@ -1025,15 +1033,24 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
+        role = "pd" if flow.prefill_pod else "aggregated"
+        hs = self._m_role.get(role)
+        if hs is None:
+            m, pool = self.metrics, self.state.pool
+            hs = self._m_role[role] = (m.ttft.labels(name, pool, role), m.itl.labels(name, pool, role),
+                                       m.queue.labels(name, pool, role))
+        hs[2].observe(flow.queue_s)
         ttft = None
         if flow.first_token_t is not None:
             ttft = flow.first_token_t - flow.t0
-            self._m_ttft.observe(ttft)
-        if self.records is None:
-            return
+            hs[0].observe(ttft)
         itl = None
         if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
             itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
+            if flow.stream:  # (a non-streamed answer arrives at once: no inter-token time to see)
+                hs[1].observe(itl)
+        if self.records is None:
+            return
         d = flow.decision
         # built by a publisher task, after the response went out
         self.records.submit_request(lambda: RequestRecord(
