@@ -181,12 +181,14 @@ async def main_async(args):
         assert len(urls) == args.backends
         await wait_http(urls[0] + "/health")
         contenders = []
+        trees = [("infernex", ROOT)] + ([("before", os.path.abspath(args.baseline))] if args.baseline else [])
         for strategy in ("round-robin", "kv-aware"):
-            port = free_port()
-            cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
-            for i, u in enumerate(urls):
-                cmd += ["-b", f"fake-{i}={u}@m"]
-            contenders.append((f"infernex {strategy}", cmd, port))
+            for name, tree in trees:  # --baseline: the same router from another source tree, same run
+                port = free_port()
+                cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
+                for i, u in enumerate(urls):
+                    cmd += ["-b", f"fake-{i}={u}@m"]
+                contenders.append((f"{name} {strategy}", cmd, port, tree))
         for mod, label in (("sglang_router", "sglang-router"), ("vllm_router", "vllm-router")):
             if importlib.util.find_spec(mod) is None:
                 print(f"{label}: not installed (optional), skipped")
@@ -196,10 +198,10 @@ async def main_async(args):
                 cmd = [PY, "-m", f"{mod}.launch_router", "--worker-urls", *urls, "--policy", policy,
                        "--port", str(port), "--prometheus-port", str(free_port()),
                        "--log-level", "warn" if mod == "sglang_router" else "warning"]
-                contenders.append((f"{label} {policy}", cmd, port))
+                contenders.append((f"{label} {policy}", cmd, port, ROOT))
         live = []
-        for label, cmd, port in contenders:
-            rp = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for label, cmd, port, tree in contenders:
+            rp = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(rp)
             rurl = f"http://127.0.0.1:{port}"
             try:
@@ -253,6 +255,8 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--baseline", default=None,
+                    help="source tree of an earlier version: its router runs in the same rounds ('before ...')")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     for name, (p50, p99, o50, o99) in decision_time(args.backends).items():

@@ -542,10 +542,12 @@ class RouterService:
         self.state.finished(b, prompt_tokens, prefill_tokens_left)
         self.admission.finished(b)
 
-    @staticmethod
-    def _client_key(request: Request) -> str:
-        auth = request.headers.get("authorization")
-        return auth if auth else (request.remote or "-")
+    def _client_key(self, request: Request) -> str:
+        """Who a request counts against for quotas and fairness: its (already checked) API key, or
+        its address when the router takes no keys (a free-form header could dodge the quota)."""
+        if self._keys:
+            return request.headers.get("authorization", "-")
+        return request.remote or "-"
 
     def _enter(self, key: str) -> None:
         try:
