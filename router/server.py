@@ -428,6 +428,8 @@ class RouterService:
                     except _UPSTREAM_ERRORS:
                         raise ApiError(502, f"backend {b.pod} broke off its answer", "server_error",
                                        "upstream_error") from None
+                    if up.status >= 400:
+                        data, ctype = _openai_error_body(up.status, data), _JSON
                     return Response(up.status, data, ctype, out_headers)
                 resp = StreamResponse(up.status, {"Content-Type": ctype, "Cache-Control": "no-cache", **out_headers})
                 await resp.prepare(request)
@@ -809,12 +811,13 @@ class RouterService:
                 flow.http_status = up.status
                 if up.status >= 400:
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
+                    data = _openai_error_body(up.status, data)
                 else:
                     self._account_json(flow, data)
                 self.state.first_token(b, pending)
                 pending = 0
                 flow.done = True
-                return Response(up.status, data, up.headers.get("content-type", _JSON),
+                return Response(up.status, data, _JSON if up.status >= 400 else up.headers.get("content-type", _JSON),
                                 {"X-Request-Id": flow.rid, _BACKEND_HEADER: b.pod}), None
             # streaming pass-through, event by event
             if resp is None:
@@ -1074,6 +1077,27 @@ def _version() -> str:
         return version("infernex")
     except PackageNotFoundError:  # a source tree that is not installed
         return "0.0.0+source"
+
+
+def _openai_error_body(status: int, data: bytes) -> bytes:
+    """An engine's error answer in OpenAI's shape (vLLM's ``code`` is an int; FastAPI says ``detail``):
+    ``{"error": {"message", "type", "param", "code": str}}``; the message is the engine's."""
+    try:
+        obj = _json_decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"] and isinstance(err.get("type"), str) \
+            and "param" in err and isinstance(err.get("message"), str):
+        return data  # already the right shape
+    err = err if isinstance(err, dict) else {}
+    code = err.get("code")
+    out = {"message": err.get("message") if isinstance(err.get("message"), str) else _upstream_message(data),
+           "type": err.get("type") if isinstance(err.get("type"), str) and err.get("type") else
+           ("invalid_request_error" if status < 500 else "server_error"),
+           "param": err.get("param") if isinstance(err.get("param"), str) else None,
+           "code": code if isinstance(code, str) and code else _CODES.get(status, str(status))}
+    return _json_encode({"error": out})
 
 
 def _upstream_message(data: bytes) -> str:
