@@ -75,8 +75,14 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) 
                    registry=registry)
     tasks = [asyncio.create_task(sink.run(stop), name="sla-sink")]
     if with_planner:
+        from consumers.planner import follow_announcements
+        from streams.backends import AnnouncedBackends
+
+        announced = AnnouncedBackends(SystemClock())  # current replicas: what the engines announce
+        await follow_announcements(js, announced, prefix=prefix, registry=registry,
+                                   topology=build_topology(settings.topology, prefix))
         planner = PlannerService(store, settings.sla, clock=SystemClock(), publish=nats_publisher(js, prefix),
-                                 registry=registry, kube=_kube(settings))
+                                 registry=registry, kube=_kube(settings), announced=announced)
         tasks.append(asyncio.create_task(planner.run(stop), name="planner"))
     health.add("nats", nats_check(nc)).add("consumer_lag", lag_check(js, settings.sla.durable_prefix))
     health.add("tasks", tasks_check(lambda: tasks), live=True)
@@ -287,9 +293,19 @@ async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> No
     registry = CollectorRegistry()
     nc = await bus.connect(settings.nats, name="infernex-planner")
     try:
+        from consumers.planner import follow_announcements
+        from streams.backends import AnnouncedBackends
+        from streams.topology import build_topology
+
+        announced = AnnouncedBackends(SystemClock())  # current replicas: what the engines announce
+        prefix = settings.nats.subject_prefix
+        await follow_announcements(nc.jetstream(), announced, prefix=prefix, registry=registry,
+                                   topology=build_topology(settings.topology, prefix))
+        if once:
+            await asyncio.sleep(1.0)  # the last announcement of every engine arrives first
         planner = PlannerService(store, settings.sla, clock=SystemClock(),
-                                 publish=nats_publisher(nc.jetstream(), settings.nats.subject_prefix),
-                                 registry=registry, kube=_kube(settings))
+                                 publish=nats_publisher(nc.jetstream(), prefix),
+                                 registry=registry, kube=_kube(settings), announced=announced)
         if once:
             for h in await planner.tick():
                 console.print(f"{h.pool}/{h.role}: {h.current} -> {h.desired} ({h.mode}) {h.reason}")
