@@ -27,7 +27,7 @@ from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import FastMetrics
 from router.core import Router
-from router.records import RecordSink, capture_backends, decision_inputs, decision_json
+from router.records import BackendCapture, RecordSink, decision_inputs, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
@@ -152,6 +152,7 @@ class RouterService:
         self._m_requests: dict[str, Any] = {}
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
+        self._capture = BackendCapture()  # the backends each decision read, for its record
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
@@ -407,7 +408,7 @@ class RouterService:
         snap, now = st.snapshot(), st.clock.now()
         d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
         if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
-            flow.captured = (capture_backends(snap), now)
+            flow.captured = (self._capture(snap, st.epoch), now)
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
