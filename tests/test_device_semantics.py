@@ -263,3 +263,17 @@ def test_every_catalog_level_and_code_has_remediation():
     assert missing == []
     assert cat.lookup_code("0xDEADBEEF").remediation  # unknown code: its (default) level's text
     assert all(cat.lookup_xid(x).remediation.strip() for x in list(cat.xids) + [999])
+
+
+async def test_collector_names_npu_smi_chips_by_the_exporters_ids(tmp_path):
+    from consumers.device_collector import make_reader
+
+    node = SimulatedNode("n", 4, "npu", seed=1)
+    buses = ["0000:9D:00.0", "0000:9F:00.0", "0000:99:00.0", "0000:9B:00.0"]
+    samples = [s.model_copy(update={"bus_id": b}) for s, b in zip(node.sample(1.0), buses)]
+    (tmp_path / "exporter.prom").write_text(render_npu_exporter(samples))
+    (tmp_path / "npu-smi.txt").write_text(A3_SMI.replace("Chip    Phy-ID  ", "Chip            "))
+    read = make_reader("npu-smi", "n", str(tmp_path / "npu-smi.txt"), chip_ids_from=str(tmp_path / "exporter.prom"))
+    assert [t.device for t in await read()] == ["0", "1", "2", "3"]
+    read = make_reader("npu-smi", "n", str(tmp_path / "npu-smi.txt"))
+    assert [t.device for t in await read()] == ["0-0", "0-1", "1-0", "1-1"]
