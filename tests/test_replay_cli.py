@@ -156,3 +156,25 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert sum("RequestRecord" in ln for ln in lines) == 9 and sum("RoutingDecision" in ln for ln in lines) == 9
+
+
+def test_incident_report_links_decisions_worth_explaining():
+    from consumers.replay import ReplayMsg
+    from infernex.incident import ReplayState, report_markdown
+    from schemas import RequestRecord, RoutingDecision
+
+    st = ReplayState(pool="agg")
+    msgs = []
+    for i, (best, chosen, status, pool) in enumerate([(4, 0, "ok", "agg"), (0, 0, "ok", "agg"),
+                                                      (0, 0, "error", "agg"), (4, 0, "ok", "other")]):
+        rid = f"r{i}"
+        d = RoutingDecision(request_id=rid, ts=100.0 + i, pool=pool, model="m", profile="kv-aware", picked="a")
+        r = RequestRecord(request_id=rid, ts=100.0 + i, pool=pool, model="m", pods=["a"], best_overlap_blocks=best,
+                          chosen_overlap_blocks=chosen, status=status, http_status=200 if status == "ok" else 502)
+        msgs += [ReplayMsg(100.0 + i, "ROUTER", 2 * i + 1, S.router_decisions(pool), d.to_json()),
+                 ReplayMsg(100.0 + i, "ROUTER", 2 * i + 2, S.router_requests(pool), r.to_json())]
+    st.apply_many(msgs)
+    md = report_markdown(st, None, None)
+    section = md.split("## Routing decisions to look at", 1)[1].split("##", 1)[0]
+    assert "`infernex replay explain r0`" in section and "`infernex replay explain r2`" in section
+    assert "r1`" not in section and "r3" not in md  # an ordinary request, and another pool's
