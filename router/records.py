@@ -95,7 +95,7 @@ def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], 
     """A :class:`schemas.records.DecisionInputs` mapping from what :meth:`router.core.Router.decide`
     read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form."""
     static, volatile = backends
-    rows = [(*s[:5], sorted(s[5]), *s[6:], *v) for s, v in zip(static, volatile)]
+    rows = [s + v for s, v in zip(static, volatile)]  # loras stay a frozenset: msgspec writes it as an array
     keys = None
     ids = request.token_ids
     if ids is not None and len(ids) > 1 and block_size > 0:
@@ -103,8 +103,8 @@ def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], 
         from streams.kv_keys import request_salt
 
         # the prompt's reusable blocks as the index keys them (at most len-1 tokens, as the router reads)
-        keys = [int(k) for k in block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
-                                           salt=request_salt(request.cache_salt))]
+        keys = list(block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
+                               salt=request_salt(request.cache_salt)))
     return {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
             "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
             "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,
