@@ -277,3 +277,18 @@ async def test_collector_names_npu_smi_chips_by_the_exporters_ids(tmp_path):
     assert [t.device for t in await read()] == ["0", "1", "2", "3"]
     read = make_reader("npu-smi", "n", str(tmp_path / "npu-smi.txt"))
     assert [t.device for t in await read()] == ["0-0", "0-1", "1-0", "1-1"]
+
+
+def test_model_specific_rules_apply_to_what_the_exporter_reports():
+    # the simulator writes the model as the exporter does (910B4-Ascend-V1, npu_chip_info_name first
+    # among others in any order); parsed back it selects the 910B4 power limits (warning 330 W)
+    node = SimulatedNode("n", 1, "npu", device_model="Ascend 910B4", seed=1)
+    node.inject(0, "power_spike", 0, power_w=350)
+    text = render_npu_exporter(node.sample(5))
+    assert 'model_name="910B4-Ascend-V1"' in text
+    text = reorder(text, lambda b: (not b[0].startswith("# HELP npu_chip_info_name "), b[0]))
+    [t] = parse_npu_exporter(text, "n", T0)
+    assert t.device_model == "Ascend 910B4"
+    engine = DiagnosisEngine(build_ruleset(), ManualClock(T0))
+    [d] = [d for d in engine.observe(t) if d.fault_mode == "over_power"]
+    assert d.severity == "warning" and "330" in d.summary

@@ -118,6 +118,8 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     assert ex["prefix"]["per_pod"]["a"] == {"recorded": 0, "index_at_t": 0}
     assert [f["pod"] for f in ex["findings"]] == ["a"] and ex["findings"][0]["severity"] == "warning"
     assert ex["backends"]["a"]["health"] == "warning" and ex["backends"]["a"]["cpu_util"] == 0.4
+    # the state rebuilt from history at that instant agrees with what the router read
+    assert all("history_differs" not in b for b in ex["backends"].values())
     assert ex["other_profile"]["profile"] == "least-load" and ex["other_profile"]["picked"] in ("a", "b")
 
     r = cli(["replay", "explain", rid], env)
@@ -178,3 +180,31 @@ def test_incident_report_links_decisions_worth_explaining():
     section = md.split("## Routing decisions to look at", 1)[1].split("##", 1)[0]
     assert "`infernex replay explain r0`" in section and "`infernex replay explain r2`" in section
     assert "r1`" not in section and "r3" not in md  # an ordinary request, and another pool's
+
+
+def test_scope_narrows_subjects_and_judges_messages():
+    from consumers.replay_scope import PodMeta, Scope, keep_message
+    from schemas import EngineMetrics, RequestRecord, ScalingHint
+
+    sc = Scope(pool="agg", role="pd")
+    assert sc.subjects(["router.>", "autoscale.hints.>", "kv.events.>", "engine.>"]) == [
+        "router.requests.agg", "router.decisions.agg", "autoscale.hints.agg.prefill", "autoscale.hints.agg.decode",
+        "kv.events.>", "engine.>"]
+    assert Scope(model="m").subjects(["kv.events.>"]) == ["kv.events.m.>"]
+    metas = {"p1": PodMeta("agg", "m", "prefill", "n1", ("0",)), "a1": PodMeta("agg", "m", "aggregated", "n1", ("1",)),
+             "o1": PodMeta("other", "m", "decode", "n2", ("0",))}
+    em = EngineMetrics(pod="p1", model="m", ts=1.0, num_requests_running=0, num_requests_waiting=0,
+                       kv_cache_usage_perc=0).to_json()
+    assert keep_message(sc, S.engine_metrics("p1"), em, metas)
+    assert not keep_message(sc, S.engine_metrics("a1"), em, metas)  # aggregated, not PD
+    assert not keep_message(sc, S.engine_metrics("o1"), em, metas)  # another pool
+    assert not keep_message(sc, S.engine_metrics("unknown"), em, metas)
+    assert keep_message(sc, S.device_telemetry("n1", "0"), b"{}", metas)  # p1's device
+    assert not keep_message(sc, S.device_telemetry("n1", "1"), b"{}", metas)
+    rec = RequestRecord(request_id="r", ts=1.0, pool="agg", model="m", role="pd").to_json()
+    assert keep_message(sc, S.router_requests("agg"), rec, metas)
+    agg_rec = RequestRecord(request_id="r", ts=1.0, pool="agg", model="m").to_json()
+    assert not keep_message(sc, S.router_requests("agg"), agg_rec, metas)
+    hint = ScalingHint(pool="agg", role="aggregated", ts=1.0, current=1, desired=2, reason="x").to_json()
+    assert not keep_message(sc, S.autoscale_hints("agg", "aggregated"), hint, metas)
+    assert keep_message(Scope(), S.engine_metrics("anything"), em, {})
