@@ -4,11 +4,13 @@ pool, and ``tail`` showing the history of a wildcard that spans subjects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -40,6 +42,17 @@ def test_subject_intersection_and_history_filters():
 
 def cli(args, env, timeout=60):
     return subprocess.run(EXE + args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+async def run_cli(args, env):
+    """The CLI in this process (a thread: the commands run their own event loop), to spare a Python
+    start per command; ``tail`` (signal handlers) runs as a real process."""
+    from typer.testing import CliRunner
+
+    from infernex.cli import app
+
+    res = await asyncio.to_thread(CliRunner().invoke, app, args, env=env)
+    return SimpleNamespace(returncode=res.exit_code, stdout=res.stdout, stderr=res.stderr)
 
 
 async def pub(js, prefix, subject, event):
@@ -107,7 +120,7 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     env, rids = history
     rid = rids["agg"][0]
 
-    r = cli(["replay", "explain", rid, "--json", "--profile", "least-load"], env)
+    r = await run_cli(["replay", "explain", rid, "--json", "--profile", "least-load"], env)
     assert r.returncode == 0, r.stderr
     ex = json.loads(r.stdout)
     assert ex["reproduced"] and ex["differences"] == []
@@ -122,23 +135,23 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     assert all("history_differs" not in b for b in ex["backends"].values())
     assert ex["other_profile"]["profile"] == "least-load" and ex["other_profile"]["picked"] in ("a", "b")
 
-    r = cli(["replay", "explain", rid], env)
+    r = await run_cli(["replay", "explain", rid], env)
     assert r.returncode == 0, r.stderr
     if os.environ.get("INFERNEX_SHOW_EXPLAIN"):
         print(r.stdout)
     assert "reproduced exactly" in r.stdout and "best alternative a" in r.stdout and "hbm_ecc_burst" in r.stdout
 
-    r = cli(["replay", "decide", rid], env)
+    r = await run_cli(["replay", "decide", rid], env)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["reproduced"] and d["picked"] == "b"
 
-    r = cli(["replay", "explain", "no-such-request"], env)
+    r = await run_cli(["replay", "explain", "no-such-request"], env)
     assert r.returncode == 1 and "no routing decision" in r.stderr and "Traceback" not in r.stderr
 
     for args, want in ((["--pool", "agg"], 6), (["--pool", "other"], 3)):
         out = tmp_path / f"rep{want}"
-        r = cli(["replay", "report", "--out", str(out), *args], env)
+        r = await run_cli(["replay", "report", "--out", str(out), *args], env)
         assert r.returncode == 0, r.stderr
         md = (out / "report.md").read_text()
         c = _counts(md)
@@ -146,10 +159,10 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
         pods = 2 if want == 6 else 1
         assert c["EngineAnnouncement"] == pods and c["DeviceTelemetry"] == pods
         assert c.get("Diagnosis", 0) == (1 if want == 6 else 0)
-    r = cli(["replay", "report", "--out", str(tmp_path / "x"), "--role", "nonsense"], env)
+    r = await run_cli(["replay", "report", "--out", str(tmp_path / "x"), "--role", "nonsense"], env)
     assert r.returncode == 2 and "--role must be one of" in r.stderr
 
-    r = cli(["replay", "state", "--pool", "other"], env)
+    r = await run_cli(["replay", "state", "--pool", "other"], env)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["pods"]) == {"c"}
 
