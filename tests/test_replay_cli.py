@@ -145,6 +145,12 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["reproduced"] and d["picked"] == "b"
+    body = tmp_path / "req.json"
+    body.write_text(json.dumps({"model": "m", "prompt": PROMPT}))
+    r = await run_cli(["replay", "decide", str(body), "--pool", "agg"], env)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)  # a new request against the pool's state at the end: b holds the prefix
+    assert d["picked"] == "b" and {c["pod"] for c in d["stages"][0]["candidates"]} == {"a", "b"}
 
     r = await run_cli(["replay", "explain", "no-such-request"], env)
     assert r.returncode == 1 and "no routing decision" in r.stderr and "Traceback" not in r.stderr
