@@ -30,7 +30,7 @@ from router.http import HttpError, Request, Response, Server, StreamResponse
 from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
-from router.records import RecordSink, capture_backends, decision_inputs, decision_json
+from router.records import BackendCapture, RecordSink, decision_inputs, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
@@ -180,6 +180,7 @@ class RouterService:
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
         self.pd = PdProtocol(cfg.pd)
+        self._capture = BackendCapture()  # the backends each decision read, for its record
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
@@ -545,7 +546,7 @@ class RouterService:
         snap, now = st.snapshot(), st.clock.now()
         d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
         if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
-            flow.captured = (capture_backends(snap), now)
+            flow.captured = (self._capture(snap, st.epoch), now)
         self._m_decision.observe(time.perf_counter() - t)
         return d
 

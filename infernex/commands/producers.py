@@ -163,6 +163,8 @@ def collect_devices(
     sim_kind: str = typer.Option("npu", "--sim-kind", help="(sim) npu or gpu"),
     seed: int = typer.Option(0, "--seed", help="(sim) random seed"),
     fault: list[str] = typer.Option([], "--fault", help="(sim) DEVICE:KIND@START[+DURATION], seconds from now"),
+    chip_ids_from: Optional[str] = typer.Option(None, "--chip-ids-from", help="(npu-smi) the node's npu-exporter "
+                                                "/metrics URL or file: name chips by its ids (A3)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve /metrics, /healthz and /readyz here"),
 ) -> None:
     """Read device telemetry in its real format and publish it."""
@@ -173,7 +175,7 @@ def collect_devices(
 
     sim = _sim_node(node, sim_devices, sim_kind, seed, fault) if source == "sim" else None
     try:
-        reader = make_reader(source, node, url, sim_node=sim)
+        reader = make_reader(source, node, url, sim_node=sim, chip_ids_from=chip_ids_from)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     from consumers.health import Check, Health, nats_check
