@@ -30,16 +30,16 @@ import gc
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from consumers import bus
 from consumers.index_api import (  # noqa: F401 - re-exported: the indexer's public API
@@ -89,7 +89,15 @@ class IndexerConfig(BaseModel):
 
     durable: str = Field(default="kv-indexer", pattern=r"^[A-Za-z0-9_-]+$",
                          description="durable consumer name; one per indexer instance")
-    http_host: str = "127.0.0.1"
+    http_host: str = Field(default="127.0.0.1", description="address the HTTP API binds (0.0.0.0 / :: for all)")
+    api_keys: list[SecretStr] = Field(default_factory=list, description=(
+        "when set, /v1/ requests need 'Authorization: Bearer <key>' (the router's scheme); /health and "
+        "/metrics stay open"))
+    api_keys_file: Path | None = Field(default=None, description="one key per line (# comments)")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="a request head must arrive within this")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="a request body must arrive within this (408)")
+    max_route_ttl_s: float = Field(default=600.0, gt=0, description="longest ttl_s POST /v1/index/route accepts")
     http_port: int | None = Field(default=8090, ge=0, le=65535, description="0 = a free port; null = no HTTP")
     nats_query: bool = Field(default=True, description="answer kv.index.query requests")
     snapshot_bucket: str = Field(default="kv-index-snapshots", pattern=r"^[A-Za-z0-9_-]+$")
@@ -116,6 +124,17 @@ class IndexerConfig(BaseModel):
     fetch_batch: int = Field(default=512, ge=1, description="most batches folded in one apply_many call")
     max_ack_pending: int = Field(default=8192, ge=16, description="messages the server may have unacked in flight")
     ack_wait_s: float = Field(default=30.0, gt=0)
+
+    def load_api_keys(self) -> list[str]:
+        """The configured keys, inline and from ``api_keys_file`` (never logged)."""
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_keys_file is not None:
+            try:
+                text = self.api_keys_file.read_text()
+            except OSError as exc:
+                raise ValueError(f"api_keys_file {self.api_keys_file}: {exc.strerror}") from None
+            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        return keys
 
 
 class IndexerMetrics:
@@ -747,83 +766,12 @@ class IndexerService:
                 "blocks": len(self.index), "dead_letters": self._dlq.count if self._dlq else 0}
 
     def http_app(self):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        from starlette.applications import Starlette
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse, Response
-        from starlette.routing import Route
+        """The HTTP API as an ASGI app (see :mod:`consumers.index_http`)."""
+        from consumers.index_http import build_app
 
-        async def route(request: Request):
-            try:
-                return JSONResponse(record_route(self.index, json.loads(await request.body())))
-            except json.JSONDecodeError as exc:
-                return JSONResponse({"error": f"invalid JSON: {exc}"}, status_code=400)
-            except QueryError as exc:
-                return JSONResponse({"error": str(exc)}, status_code=exc.status)
-
-        async def pods(request: Request):
-            return JSONResponse(pods_body(self.index))
-
-        async def health(request: Request):
-            return JSONResponse(self.health())
-
-        async def state(request: Request):
-            return JSONResponse({"fingerprint": self.index.fingerprint(), "applied_seq": self.applied_seq})
-
-        async def metrics(request: Request):
-            if self.registry is None:
-                return JSONResponse({"error": "no metrics registry"}, status_code=404)
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-        app = Starlette(routes=[
-            Route("/v1/index/route", route, methods=["POST"]),
-            Route("/v1/index/pods", pods, methods=["GET"]),
-            Route("/v1/index/state", state, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-        ])
-        json_type = (b"content-type", b"application/json")
-
-        async def asgi(scope, receive, send):
-            # the hot path, POST /v1/index/query, as plain ASGI: no routing, request or response
-            # objects (half the latency of a Starlette route); everything else goes to Starlette
-            if scope["type"] != "http" or scope["path"] != "/v1/index/query":
-                return await app(scope, receive, send)
-            if scope["method"] != "POST":
-                status, out = 405, b'{"error":"use POST"}'
-            else:
-                msg = await receive()
-                body = msg.get("body", b"")
-                if msg.get("more_body"):
-                    parts = [body]
-                    while msg.get("more_body"):
-                        msg = await receive()
-                        parts.append(msg.get("body", b""))
-                    body = b"".join(parts)
-                status, out = self.query_json(body, "http")
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [json_type, (b"content-length", str(len(out)).encode())]})
-            await send({"type": "http.response.body", "body": out})
-
-        return asgi
+        return build_app(self)
 
     async def _start_http(self) -> None:
-        import uvicorn
+        from consumers.index_http import serve
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # accepted connections inherit it: small responses must not wait for a delayed ACK
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self.config.http_host, self.config.http_port or 0))
-        self.http_port = sock.getsockname()[1]
-        cfg = uvicorn.Config(self.http_app(), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(cfg)
-        self._server.install_signal_handlers = lambda: None  # the owner handles signals
-        self._http_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="indexer-http")
-        for _ in range(200):
-            if self._server.started:
-                return
-            if self._http_task.done():
-                self._http_task.result()
-            await asyncio.sleep(0.02)
-        raise RuntimeError("the HTTP server did not start")
+        self._server, self._http_task, self.http_port = await serve(self)

@@ -38,12 +38,12 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-def _serve_metrics(port: Optional[int], registry) -> None:
+def _serve_metrics(port: Optional[int], registry, host: str = "0.0.0.0") -> None:
     if port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(port, registry=registry)
-        out.print(f"metrics on http://0.0.0.0:{port}/metrics")
+        start_http_server(port, addr=host, registry=registry)
+        out.print(f"metrics on http://{host}:{port}/metrics")
 
 
 @bridge_app.command("vllm-kv")
@@ -59,6 +59,7 @@ def bridge_vllm_kv(
     topic: str = typer.Option("", "--topic", help="ZMQ topic to subscribe to ('' = all)"),
     max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Subscribe to a vLLM KV-event stream and publish one message per batch."""
     from prometheus_client import CollectorRegistry
@@ -69,7 +70,7 @@ def bridge_vllm_kv(
         raise typer.BadParameter("endpoint must look like tcp://HOST:PORT", param_hint="--endpoint")
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    _serve_metrics(metrics_port, registry)
+    _serve_metrics(metrics_port, registry, metrics_host)
     cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
                        dp_rank=dp_rank, max_inflight=max_inflight)
 
@@ -103,6 +104,7 @@ def collect_metrics(
     interval: float = typer.Option(5.0, "--interval", min=0.1, help="seconds between scrapes"),
     once: bool = typer.Option(False, "--once", help="scrape once, print the status, exit"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Scrape vLLM /metrics and publish engine metric snapshots."""
     from prometheus_client import CollectorRegistry
@@ -113,7 +115,7 @@ def collect_metrics(
     targets = _pair_targets(target, pod)
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    _serve_metrics(metrics_port, registry)
+    _serve_metrics(metrics_port, registry, metrics_host)
 
     async def go():
         nc = await bus.connect(settings.nats, name="infernex-metrics-collector")
@@ -150,6 +152,7 @@ def collect_devices(
     seed: int = typer.Option(0, "--seed", help="(sim) random seed"),
     fault: list[str] = typer.Option([], "--fault", help="(sim) DEVICE:KIND@START[+DURATION], seconds from now"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Read device telemetry in its real format and publish it."""
     from prometheus_client import CollectorRegistry
@@ -164,7 +167,7 @@ def collect_devices(
         raise typer.BadParameter(str(exc)) from None
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    _serve_metrics(metrics_port, registry)
+    _serve_metrics(metrics_port, registry, metrics_host)
 
     async def go():
         nc = await bus.connect(settings.nats, name="infernex-device-collector")

@@ -56,15 +56,16 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def _metrics_server(port: int, registry) -> None:  # noqa: ANN001
+def _metrics_server(port: int, registry, host: str = "0.0.0.0") -> None:  # noqa: ANN001
     if port:
         from prometheus_client import start_http_server
 
-        start_http_server(port, registry=registry)
-        err.print(f"metrics on :{port}/metrics")
+        start_http_server(port, addr=host, registry=registry)
+        err.print(f"metrics on {host}:{port}/metrics")
 
 
-async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) -> None:
+async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int,
+                     metrics_host: str = "0.0.0.0") -> None:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -78,7 +79,7 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) 
     nc = await bus.connect(settings.nats, name="infernex-sla-sink")
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    _metrics_server(metrics_port, registry)
+    _metrics_server(metrics_port, registry, metrics_host)
     js = nc.jetstream()
     prefix = settings.nats.subject_prefix
     sink = SlaSink(js, store, settings.sla, topology=build_topology(settings.topology, prefix), prefix=prefix,
@@ -117,11 +118,12 @@ def sla_sink(
     ctx: typer.Context,
     planner: bool = typer.Option(False, "--planner", help="also run the planner in this process (shares chDB)"),
     metrics_port: int = typer.Option(0, "--metrics-port", help="serve Prometheus metrics on this port"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Consume request records, engine metrics, diagnoses and hints into the SLA store."""
     settings = _settings(ctx)
     try:
-        asyncio.run(_sink_main(settings, planner, metrics_port))
+        asyncio.run(_sink_main(settings, planner, metrics_port, metrics_host))
     except ConnectionError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
@@ -250,7 +252,8 @@ def counts(ctx: typer.Context) -> None:
         store.close()
 
 
-async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> None:
+async def _planner_main(settings: Settings, once: bool, metrics_port: int,
+                        metrics_host: str = "0.0.0.0") -> None:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -271,7 +274,7 @@ async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> No
             for h in await planner.tick():
                 console.print(f"{h.pool}/{h.role}: {h.current} -> {h.desired} ({h.mode}) {h.reason}")
             return
-        _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry)
+        _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry, metrics_host)
         stop = asyncio.Event()
         _stop_on_signals(stop)
         await planner.run(stop)
@@ -284,6 +287,7 @@ def planner(
     ctx: typer.Context,
     once: bool = typer.Option(False, "--once", help="one planning round, print the hints, exit"),
     metrics_port: int = typer.Option(0, "--metrics-port", help="serve infernex_desired_replicas here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Publish replica hints for each PD pool from the SLA history (dry-run unless sla.planner.dry_run=false).
 
@@ -292,7 +296,7 @@ def planner(
     """
     settings = _settings(ctx)
     try:
-        asyncio.run(_planner_main(settings, once, metrics_port))
+        asyncio.run(_planner_main(settings, once, metrics_port, metrics_host))
     except ConnectionError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
