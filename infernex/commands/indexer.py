@@ -48,7 +48,11 @@ def indexer(
             raise typer.Exit(2) from None
 
     async def run() -> None:
-        service = IndexerService(cfg, settings.nats, registry=CollectorRegistry(), tokenizer=tok)
+        from streams.topology import build_topology
+
+        # the snapshot bucket follows topology.replicas like every stream
+        topo = build_topology(settings.topology, prefix=settings.nats.subject_prefix)
+        service = IndexerService(cfg, settings.nats, registry=CollectorRegistry(), tokenizer=tok, topology=topo)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, service.request_stop)
