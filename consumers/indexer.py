@@ -5,7 +5,10 @@
   and folds the queue in one ``apply_many`` when it is full or nothing else is waiting; then
   the last applied message is acked (AckPolicy.ALL), so acks always follow applies.
   Undecodable messages, and messages whose subject disagrees with their pod/model, go to
-  ``dlq.kv-events`` with the reason (counted); the consumer keeps going. A gap in the delivery
+  ``dlq.kv-events`` (a bounded letter, one per message whichever consumers reject it, see
+  :class:`consumers.bus.DeadLetters`) and are skipped; a letter that cannot be published is
+  counted and the message skipped all the same, so nothing loops. The fold holds a batch that
+  arrives ahead of its pod's predecessor for up to ``reorder_window_s``. A gap in the delivery
   sequence (a message the client dropped) or a handling error re-reads the stream from the
   last applied sequence.
 * Queries: HTTP ``POST /v1/index/query`` (plain ASGI, msgspec in and out), ``GET /v1/index/pods``,
