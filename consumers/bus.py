@@ -57,13 +57,16 @@ async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
     if cfg.credentials_file is not None:
         opts["user_credentials"] = str(cfg.credentials_file)
     if cfg.tls is not None:
-        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None)
+        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None,
+                                         cadata=cfg.tls.ca_pem or None)
         if cfg.tls.cert_file:
             ctx.load_cert_chain(str(cfg.tls.cert_file), str(cfg.tls.key_file) if cfg.tls.key_file else None)
         if not cfg.tls.verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
         opts["tls"] = ctx
+        if cfg.tls.server_name:
+            opts["tls_hostname"] = cfg.tls.server_name
 
     first: list[Exception] = []  # errors before the first connection: the reason if it never comes
 

@@ -42,16 +42,17 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def _metrics_server(port: int, registry, health) -> None:  # noqa: ANN001
-    """``/metrics``, ``/healthz`` and ``/readyz`` on ``port`` (none for 0)."""
+async def _metrics_server(port: int, registry, health, host: str = "0.0.0.0") -> None:  # noqa: ANN001
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port`` (none for port 0)."""
     if port:
         from consumers.health import serve
 
-        await serve(health, port, registry=registry)
-        err.print(f"metrics and health on http://0.0.0.0:{port}/metrics, /healthz, /readyz")
+        await serve(health, port, host=host, registry=registry)
+        err.print(f"metrics and health on http://{host}:{port}/metrics, /healthz, /readyz")
 
 
-async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) -> None:
+async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int,
+                     metrics_host: str = "0.0.0.0") -> None:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -65,7 +66,7 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) 
     store = _open(settings)
     registry = CollectorRegistry()
     health = Health("sla-sink", expect=("nats", "consumer_lag"))
-    await _metrics_server(metrics_port, registry, health)
+    await _metrics_server(metrics_port, registry, health, metrics_host)
     nc = await bus.connect(settings.nats, name="infernex-sla-sink")
     stop = asyncio.Event()
     _stop_on_signals(stop)
@@ -115,11 +116,12 @@ def sla_sink(
     ctx: typer.Context,
     planner: bool = typer.Option(False, "--planner", help="also run the planner in this process (shares chDB)"),
     metrics_port: int = typer.Option(0, "--metrics-port", help="serve Prometheus metrics on this port"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Consume request records, engine metrics, diagnoses and hints into the SLA store."""
     settings = _settings(ctx)
     try:
-        asyncio.run(_sink_main(settings, planner, metrics_port))
+        asyncio.run(_sink_main(settings, planner, metrics_port, metrics_host))
     except ConnectionError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
@@ -277,7 +279,8 @@ def counts(ctx: typer.Context) -> None:
         store.close()
 
 
-async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> None:
+async def _planner_main(settings: Settings, once: bool, metrics_port: int,
+                        metrics_host: str = "0.0.0.0") -> None:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -311,7 +314,7 @@ async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> No
                 console.print(f"{h.pool}/{h.role}: {h.current} -> {h.desired} ({h.mode}) {h.reason}")
             return
         health = Health("planner").add("nats", nats_check(nc))
-        await _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry, health)
+        await _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry, health, metrics_host)
         stop = asyncio.Event()
         _stop_on_signals(stop)
         await planner.run(stop)
@@ -324,6 +327,7 @@ def planner(
     ctx: typer.Context,
     once: bool = typer.Option(False, "--once", help="one planning round, print the hints, exit"),
     metrics_port: int = typer.Option(0, "--metrics-port", help="serve infernex_desired_replicas here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Publish replica hints for each PD pool from the SLA history (dry-run unless sla.planner.dry_run=false).
 
@@ -332,7 +336,7 @@ def planner(
     """
     settings = _settings(ctx)
     try:
-        asyncio.run(_planner_main(settings, once, metrics_port))
+        asyncio.run(_planner_main(settings, once, metrics_port, metrics_host))
     except ConnectionError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
