@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from infernex.settings import Settings
 
 
-class _Placeholder(click.Command):
+class _Placeholder(typer.core.TyperCommand):
     """What ``--help`` lists for a command whose module is not imported yet."""
 
 
