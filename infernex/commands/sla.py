@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import sys
 import signal
 import time
 from typing import Optional
@@ -26,14 +29,52 @@ def _settings(ctx: typer.Context) -> Settings:
     return settings_of(ctx)
 
 
-def _open(settings: Settings):
+@contextlib.contextmanager
+def _quiet_stderr(on: bool):
+    """Silence file descriptor 2 (native libraries write there directly) while ``on``."""
+    if not on:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _open(settings: Settings, *, remote_ok: bool = True):
+    """The SLA store; while ``sla-sink`` owns the chDB directory, queries go through it over
+    NATS (``sla.query``), found by itself."""
     from consumers.sla_store import StoreError, open_store
+    from infernex.commands.common import fail
 
     try:
-        return open_store(settings.sla)
+        with _quiet_stderr(remote_ok and settings.sla.backend == "chdb"):  # chDB prints the lock error itself
+            return open_store(settings.sla)
     except StoreError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+        if not (remote_ok and settings.sla.backend == "chdb"):
+            fail(str(exc))
+    from consumers.sla_remote import RemoteQueryError, RemoteStore
+
+    try:
+        store = RemoteStore(settings.nats, settings.sla.database)
+    except ConnectionError as exc:
+        fail(f"the chDB store is locked by another process ({settings.sla.chdb_path}) and NATS is not reachable "
+             f"to query through sla-sink: {exc}")
+    try:
+        store.ping()
+    except RemoteQueryError as exc:
+        store.close()
+        fail(f"cannot open chDB at {settings.sla.chdb_path}: another process holds it, and {exc} (run "
+             f"'infernex sla-sink' with this NATS to query through it, or stop the process holding the directory)")
+    err.print(f"(querying through the running sla-sink over NATS: {settings.sla.chdb_path} is held by it)",
+              highlight=False)
+    return store
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
@@ -63,7 +104,7 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int,
 
     from consumers.health import Health, lag_check, nats_check, tasks_check
 
-    store = _open(settings)
+    store = _open(settings, remote_ok=False)
     registry = CollectorRegistry()
     health = Health("sla-sink", expect=("nats", "consumer_lag"))
     await _metrics_server(metrics_port, registry, health, metrics_host)
@@ -86,6 +127,9 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int,
                                  registry=registry, kube=_kube(settings), announced=announced)
         tasks.append(asyncio.create_task(planner.run(stop), name="planner"))
     health.add("nats", nats_check(nc)).add("consumer_lag", lag_check(js, settings.sla.durable_prefix))
+    from consumers.sla_remote import serve_queries
+
+    await serve_queries(nc, store, prefix)  # `sla report` elsewhere queries through here
     health.add("tasks", tasks_check(lambda: tasks), live=True)
     err.print(f"sla-sink: {settings.sla.backend} database {settings.sla.database}; Ctrl-C to stop")
     try:
@@ -258,7 +302,7 @@ def rollup_cmd(
 
     settings = _settings(ctx)
     now = time.time()
-    store = _open(settings)
+    store = _open(settings, remote_ok=False)
     try:
         t = time.perf_counter()
         sla_queries.refresh_minutes(store, now - parse_duration(since), now, targets=settings.sla.targets)
@@ -292,7 +336,7 @@ async def _planner_main(settings: Settings, once: bool, metrics_port: int,
         raise typer.Exit(2)
     from consumers.health import Health, nats_check
 
-    store = _open(settings)
+    store = _open(settings, remote_ok=False)
     registry = CollectorRegistry()
     nc = await bus.connect(settings.nats, name="infernex-planner")
     try:
