@@ -220,6 +220,56 @@ def headers(pod: str, model: str, epoch: int, seq: int, content_type: str = CONT
             HDR_SEQ: str(seq)}
 
 
-__all__ = ["BATCH_TAG", "CONTENT_TYPE", "ENCODINGS", "HDR_CONTENT_TYPE", "HDR_EPOCH", "HDR_MODEL", "HDR_POD",
+# --- the contract as JSON Schema (for the AsyncAPI document) -------------------------------------
+
+def _bin(what: str) -> dict[str, Any]:
+    return {"type": "string", "contentEncoding": "binary", "description": f"msgpack bin: {what}"}
+
+
+_OPT = {"type": ["integer", "null"], "minimum": 0}
+_STR_OPT = {"type": ["string", "null"]}
+
+#: the message's JSON Schema: tuple arrays (msgpack arrays) in the field order above
+PAYLOAD_SCHEMA: dict[str, Any] = {
+    "title": "KvEventBatchBinary",
+    "description": "A KvEventBatch in the binary encoding (schemas/kv_binary.py): msgpack arrays, block "
+                   "hashes / token ids / salts / keys as packed little-endian uint64 / uint32 in msgpack bin.",
+    "type": "array",
+    "items": [
+        {"const": BATCH_TAG}, {"type": "integer", "minimum": 1, "maximum": SCHEMA_VERSION, "title": "schema_version"},
+        {"type": "string", "minLength": 1, "title": "pod"}, {"type": "string", "minLength": 1, "title": "model"},
+        {"type": "integer", "minimum": 0, "title": "dp_rank"},
+        {"type": "integer", "minimum": 0, "maximum": MAX_EPOCH, "title": "epoch"},
+        {"type": "integer", "minimum": 0, "maximum": MAX_SEQ, "title": "seq"},
+        {"type": "number", "minimum": 0, "title": "ts"},
+        {"type": "array", "title": "events", "items": {"oneOf": [
+            {"title": "stored", "type": "array", "items": [
+                {"const": "s"}, _bin("block_hashes, uint64 LE, at least one"),
+                _bin("token_ids, uint32 LE, len(block_hashes) * block_size of them (none with block_keys)"),
+                {"type": "integer", "minimum": 1, "title": "block_size"}, _OPT, {"type": ["integer", "null"]},
+                _STR_OPT, _STR_OPT, _bin("block_salts, uint64 LE, one per block, or nil"), _OPT,
+                _bin("block_keys, uint64 LE, one per block, or nil")]},
+            {"title": "removed", "type": "array", "items": [{"const": "r"}, _bin("block_hashes, uint64 LE"),
+                                                              _STR_OPT]},
+            {"title": "cleared", "type": "array", "items": [{"const": "c"}, _STR_OPT]},
+            {"title": "reset", "type": "array", "items": [{"const": "x"}, {"type": "string"}]},
+            {"title": "gone", "type": "array", "items": [{"const": "g"}, {"type": "string"}]},
+        ]}},
+    ],
+}
+
+#: the headers every kv.events message carries (the binary ones always; the bridge sets them on JSON too)
+HEADERS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        HDR_CONTENT_TYPE: {"type": "string", "enum": [CONTENT_TYPE, JSON_CONTENT_TYPE]},
+        HDR_POD: {"type": "string"}, HDR_MODEL: {"type": "string"},
+        HDR_EPOCH: {"type": "string", "pattern": "^[0-9]+$"}, HDR_SEQ: {"type": "string", "pattern": "^[0-9]+$"},
+        "Nats-Msg-Id": {"type": "string", "description": "<pod>:<epoch>:<seq> (de-duplication)"},
+    },
+}
+
+
+__all__ = ["BATCH_TAG", "CONTENT_TYPE", "HEADERS_SCHEMA", "PAYLOAD_SCHEMA", "ENCODINGS", "HDR_CONTENT_TYPE", "HDR_EPOCH", "HDR_MODEL", "HDR_POD",
            "HDR_SEQ", "JSON_CONTENT_TYPE", "WBatch", "WCleared", "WEvent", "WGone", "WRemoved", "WReset",
            "WStored", "decode", "encode", "headers", "is_binary", "pack", "to_dict", "to_wire", "unpack"]

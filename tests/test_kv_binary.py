@@ -295,3 +295,20 @@ def test_tail_renders_binary_as_json():
     assert body["events"][0]["block_hashes"] == [1, U64, 1 << 63] and body["seq"] == 7
     raw = format_event(S.kv_events(MODEL, "pod-a"), kv_binary.encode(b), 5, raw=True)
     assert '"block_hashes"' in raw  # --raw shows JSON too, not msgpack bytes
+
+
+def test_the_contract_documents_both_encodings():
+    from infernex.asyncapi import build_document
+
+    doc = build_document()
+    ch = doc["channels"]["kv.events.{model}.{pod}:Publish"]
+    assert set(ch["messages"]) == {"Message", "BinaryMessage"}
+    msgs = doc["components"]["messages"]
+    assert msgs["kv.events.{model}.{pod}:Publish:Message"]["contentType"] == "application/json"
+    binary = msgs["kv.events.{model}.{pod}:Publish:BinaryMessage"]
+    assert binary["contentType"] == kv_binary.CONTENT_TYPE
+    assert set(binary["headers"]["properties"]) >= {"Content-Type", "Infernex-Pod", "Infernex-Model",
+                                                    "Infernex-Epoch", "Infernex-Seq"}
+    layout = doc["components"]["schemas"]["KvEventBatchBinary"]["items"]
+    assert layout[0] == {"const": kv_binary.BATCH_TAG} and len(layout) == len(kv_binary.WBatch.__struct_fields__) + 1
+    assert len(doc["operations"]["kv.events.{model}.{pod}:Publish"]["messages"]) == 2
