@@ -171,8 +171,77 @@ async def _metric(http, name: str) -> float:
 
 # ---------------------------------------------------------------- one run
 
+DYNAMO_APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
+
+
+async def _dynamo_stored(http) -> float:
+    text = (await http.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(DYNAMO_APPLIED + '{event_type="stored"'))
+
+
+async def dynamo_run(args) -> dict:
+    """Dynamo's standalone indexer (``python -m dynamo.indexer``, from ``--dynamo-python``) on the
+    same publisher: it subscribes to the pods' ZMQ sockets itself (no bus, no durability).
+    Flat-out blocks/s and CPU per block; its lag cannot be read per batch, so none is given."""
+    import httpx
+
+    from infernex.embedded_nats import free_port
+
+    ports = [free_port() for _ in range(args.pods)]
+    cmds, done = mp.Queue(), mp.Queue()
+    pub = mp.Process(target=publisher_proc, args=(ports, cmds, done, args))
+    pub.start()
+    hport = free_port()
+    workers = ",".join(f"{i}=tcp://127.0.0.1:{p}" for i, p in enumerate(ports))
+    dyn = subprocess.Popen([args.dynamo_python, "-m", "dynamo.indexer", "--port", str(hport), "--block-size",
+                            str(args.block_size), "--workers", workers], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        cmds.put("warm")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=5) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if await _dynamo_stored(http) >= args.pods * 3:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("dynamo.indexer applied nothing")
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            cmds.put("flat")
+            base = await _dynamo_stored(http)
+            c0, t0 = cpu_seconds(dyn.pid), time.perf_counter()
+            want = base + args.frames * args.pods
+            deadline = time.monotonic() + args.timeout
+            while (got := await _dynamo_stored(http)) < want and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            t1, c1 = time.perf_counter(), cpu_seconds(dyn.pid)
+            done.get(timeout=60)
+        n = got - base
+        stored = n * args.stored
+        per = (c1 - c0) / stored * 1e6
+        return {"encoding": "dynamo", "batches": n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
+                "cpu_us_per_block": {"bridges": 0.0, "nats-server": 0.0, "indexer": per, "all": per}}
+    finally:
+        cmds.put("stop")
+        dyn.send_signal(signal.SIGTERM)
+        try:
+            dyn.wait(10)
+        except subprocess.TimeoutExpired:
+            dyn.kill()
+        pub.join(5)
+        if pub.is_alive():
+            pub.kill()
+
+
 async def one_run(encoding: str, args) -> dict:
     import httpx
+
+    if encoding == "dynamo":
+        return await dynamo_run(args)
 
     from consumers import bus
     from infernex.embedded_nats import EmbeddedNats, free_port
@@ -297,11 +366,18 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--encodings", default="json,binary")
+    ap.add_argument("--dynamo-python", default=None,
+                    help="python of a venv with ai-dynamo-runtime: adds Dynamo's standalone indexer to the rounds")
     args = ap.parse_args()
     if args.role == "indexer":
         indexer_role(args.url, args.lag_file, args.port)
         return
     encs = args.encodings.split(",")
+    if args.dynamo_python:
+        out = subprocess.run([args.dynamo_python, "-c", "import importlib.metadata as m; "
+                              "print(m.version('ai-dynamo-runtime'))"], capture_output=True, text=True)
+        print(f"peer: ai-dynamo-runtime {out.stdout.strip() or '?'} (python -m dynamo.indexer)")
+        encs.append("dynamo")
     results: dict[str, list[dict]] = {e: [] for e in encs}
     for r in range(args.runs):
         for e in (encs if r % 2 == 0 else encs[::-1]):
@@ -326,6 +402,10 @@ def main() -> None:
         print(f"  {e:6s}: {m['blocks_per_s']:,.0f} blocks/s; CPU us/block all {m['all']:.2f} (bridges "
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
               f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms")
+    if "dynamo" in med and "binary" in med:
+        d, b = med["dynamo"], med["binary"]
+        print(f"  binary / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
+              f"{b['all'] / d['all']:.2f}x")
     if "json" in med and "binary" in med:
         j, b = med["json"], med["binary"]
         print(f"  binary / json: blocks/s {b['blocks_per_s'] / j['blocks_per_s']:.2f}x; CPU per block "
