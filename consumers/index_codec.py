@@ -1,6 +1,7 @@
 """KV-event batch decoding (msgspec fast path) and the index snapshot format (packed msgpack).
 
-Pure: no I/O. :func:`decode_batch` turns one ``kv.events`` message into a
+Pure: no I/O. :func:`decode_batch` turns one ``kv.events`` message, in either of its encodings
+(JSON, or the binary form of :mod:`schemas.kv_binary`, told apart by the first byte), into a
 :class:`schemas.KvEventBatch`; :func:`encode_dump` / :func:`decode_snapshot` write and read
 a :meth:`streams.kv_index.KvIndex.dump` as a snapshot.
 """
@@ -15,7 +16,8 @@ import msgpack
 import msgspec
 import numpy as np
 
-from schemas import KvEventBatch, decode_event
+from schemas import KvEventBatch, ValidationFailure, decode_event
+from schemas import kv_binary
 from schemas.base import SCHEMA_VERSION
 from schemas.kv import MAX_EPOCH, MAX_SEQ, U64, AllBlocksCleared, BlockRemoved, BlockStored, PodGone, PodReset
 from streams.kv_core import parse_uint_arrays
@@ -196,8 +198,78 @@ _mk_removed = _constructor(BlockRemoved)
 _mk_batch = _constructor(KvEventBatch)
 
 
+_U64_LE = np.dtype("<u8")
+_U32_LE = np.dtype("<u4")
+
+
+class BinaryError(ValueError):
+    """A binary ``kv.events`` message that is not a valid batch; the message is the reason."""
+
+
+def _u64s(view: memoryview, what: str) -> np.ndarray:
+    if len(view) % 8:
+        raise BinaryError(f"{what} is {len(view)} bytes, not a whole number of uint64s")
+    return np.frombuffer(view, dtype=_U64_LE)
+
+
+def binary_batch(data: bytes) -> KvEventBatch:
+    """A binary (:mod:`schemas.kv_binary`) message as a batch whose hashes, token ids, salts and
+    keys are numpy arrays over ``data`` (no copy, no Python int per value); :class:`BinaryError`
+    naming what is wrong otherwise. The checks are the schema's."""
+    try:
+        w = kv_binary.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BinaryError(f"undecodable binary KV batch: {exc}") from None
+    events: list = []
+    for i, e in enumerate(w.events):
+        t = type(e)
+        if t is kv_binary.WStored:
+            hashes = _u64s(e.block_hashes, f"events.{i}.block_hashes")
+            nh = len(hashes)
+            if not nh:
+                raise BinaryError(f"events.{i}.block_hashes is empty")
+            if len(e.token_ids) % 4:
+                raise BinaryError(f"events.{i}.token_ids is {len(e.token_ids)} bytes, not a whole number of uint32s")
+            toks = np.frombuffer(e.token_ids, dtype=_U32_LE)
+            keys = salts = None
+            if e.block_keys is not None:
+                keys = _u64s(e.block_keys, f"events.{i}.block_keys")
+                if len(keys) != nh or len(toks) or not keys.all():
+                    raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block and no token_ids")
+            elif len(toks) != nh * e.block_size:
+                raise BinaryError(f"events.{i}.token_ids has {len(toks)} tokens but {nh} blocks of block_size "
+                                  f"{e.block_size} need {nh * e.block_size}")
+            if e.block_salts is not None:
+                salts = _u64s(e.block_salts, f"events.{i}.block_salts")
+                if len(salts) != nh:
+                    raise BinaryError(f"events.{i}.block_salts has {len(salts)} salts for {nh} blocks")
+            events.append(_mk_stored(
+                type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash, token_ids=toks,
+                block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name, medium=e.medium,
+                parent_key=e.parent_key, block_keys=keys, block_salts=salts))
+        elif t is kv_binary.WRemoved:
+            hashes = _u64s(e.block_hashes, f"events.{i}.block_hashes")
+            if not len(hashes):
+                raise BinaryError(f"events.{i}.block_hashes is empty")
+            events.append(_mk_removed(type="removed", block_hashes=hashes, medium=e.medium))
+        elif t is kv_binary.WCleared:
+            events.append(AllBlocksCleared.model_construct(type="cleared", medium=e.medium))
+        elif t is kv_binary.WReset:
+            events.append(PodReset.model_construct(type="reset", reason=e.reason))
+        else:
+            events.append(PodGone.model_construct(type="gone", reason=e.reason))
+    return _mk_batch(schema_version=w.schema_version, pod=w.pod, model=w.model, dp_rank=w.dp_rank, epoch=w.epoch,
+                     seq=w.seq, ts=w.ts, events=events)
+
+
 def _fast_batch(data: bytes) -> KvEventBatch | None:
-    """The batch, or None when only the full pydantic validation can decide."""
+    """The batch, or None when only the full pydantic validation can decide (or, for a binary
+    message, when it is invalid: :func:`decode_slow` names why)."""
+    if kv_binary.is_binary(data):
+        try:
+            return binary_batch(data)
+        except BinaryError:
+            return None
     raw = len(data) >= RAW_PARSE_MIN_BYTES
     try:
         b = (_raw_decoder if raw else _list_decoder).decode(data)
@@ -279,8 +351,40 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
                      seq=b.seq, ts=b.ts, events=events)
 
 
+def decode_slow(data: bytes) -> KvEventBatch:
+    """The careful decode, after :func:`_fast_batch` declined: pydantic for JSON (it accepts
+    every form the schema does, or names the offending field), the binary decode for binary
+    (whose only reason to decline is an invalid message). :class:`schemas.ValidationFailure`."""
+    if kv_binary.is_binary(data):
+        try:
+            return binary_batch(data)
+        except BinaryError as exc:
+            raise ValidationFailure("KvEventBatch", [{"loc": ("binary",), "msg": str(exc)}]) from None
+    return decode_event(KvEventBatch, data)
+
+
 def decode_batch(data: bytes) -> KvEventBatch:
-    """Decode one ``kv.events`` message; raise :class:`schemas.ValidationFailure` when invalid."""
+    """Decode one ``kv.events`` message (JSON or binary); raise :class:`schemas.ValidationFailure`
+    when invalid."""
     batch = _fast_batch(data)
-    return batch if batch is not None else decode_event(KvEventBatch, data)
+    return batch if batch is not None else decode_slow(data)
+
+
+def to_json(data: bytes) -> bytes:
+    """A ``kv.events`` message as the batch's JSON (binary ones converted, JSON as it is): for
+    tools that show or export messages to humans. :class:`schemas.ValidationFailure` if invalid."""
+    if not kv_binary.is_binary(data):
+        return data
+    b = decode_batch(data)
+    return msgspec.json.encode({
+        "schema_version": b.schema_version, "pod": b.pod, "model": b.model, "dp_rank": b.dp_rank, "epoch": b.epoch,
+        "seq": b.seq, "ts": b.ts, "events": [_event_doc(e) for e in b.events]})
+
+
+def _event_doc(e) -> dict:
+    d = {k: v for k, v in e.__dict__.items() if v is not None}
+    for k, v in d.items():
+        if isinstance(v, np.ndarray):
+            d[k] = v.tolist()
+    return d
 

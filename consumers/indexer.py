@@ -59,6 +59,7 @@ from consumers.index_codec import (  # noqa: F401 - re-exported
     SNAPSHOT_FORMAT,
     _fast_batch,
     decode_batch,
+    decode_slow,
     decode_snapshot,
     encode_dump,
     encode_snapshot,
@@ -69,7 +70,7 @@ from consumers.index_snapshots import (  # noqa: F401 - re-exported
     read_snapshot,
     snapshot_bucket_name,
 )
-from schemas import KvEventBatch, decode_event, ValidationFailure
+from schemas import KvEventBatch, ValidationFailure
 from schemas import subjects as S
 from schemas.config import NatsConfig
 from consumers.indexer_config import IndexerConfig  # noqa: F401 - settings import it without the service
@@ -507,7 +508,7 @@ class IndexerService:
         if batch is None:
             careful = True
             try:
-                batch = decode_event(KvEventBatch, data)
+                batch = decode_slow(data)  # pydantic for JSON; a binary message here is invalid
             except ValidationFailure as exc:
                 return None, True, str(exc)
         names = self._subjects.get(subject)

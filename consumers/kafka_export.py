@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from consumers import bus
+from schemas import kv_binary
 from schemas import subjects as S
 from schemas.config import NatsConfig
 from streams.topology import build_topology, stream_for_subject
@@ -134,7 +135,10 @@ class KafkaExporter:
             value = msg.data
         else:
             try:
-                payload = json.loads(msg.data)
+                if kv_binary.is_binary(msg.data):  # a binary KV batch is exported as its JSON document
+                    payload = kv_binary.to_dict(kv_binary.decode(msg.data))
+                else:
+                    payload = json.loads(msg.data)
             except ValueError:
                 payload = msg.data.decode(errors="replace")
             value = json.dumps({"subject": subject, "stream_seq": meta.sequence.stream,

@@ -3,7 +3,9 @@
 Pipeline: a ZMQ SUB socket receives ``(topic, seq, msgpack KVEventBatch)`` frames; each
 frame is decoded by :mod:`consumers.kv_wire` (every shape vLLM 0.11-0.33 and SGLang send;
 an event the index cannot key is skipped and counted, the rest of its batch goes on),
-normalized into the :class:`schemas.KvEventBatch` JSON and queued; a sender publishes the queue to
+normalized into a :class:`schemas.KvEventBatch` and queued (in the binary encoding of
+:mod:`schemas.kv_binary` by default: hashes and token ids as packed arrays, pod / model / epoch /
+seq and the content type in headers; ``encoding="json"`` publishes the schema's JSON instead); a sender publishes the queue to
 ``kv.events.<model>.<pod>`` with ``Nats-Msg-Id = <pod>:<epoch>:<seq>``, keeping up to
 ``max_inflight`` acks outstanding and the order of the queue.
 
@@ -68,6 +70,7 @@ from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decod
     OutReset,
     decode_frame,
 )
+from schemas import kv_binary
 from schemas import subjects as S
 from schemas.kv import MAX_EPOCH, MAX_SEQ
 
@@ -199,6 +202,7 @@ class _Item:
     sent_at: float = 0.0
     state: int = 0  # 0 in flight, 1 acknowledged, 2 failed
     error: str | None = None
+    headers: dict[str, str] | None = None  # besides Nats-Msg-Id (content type, pod, model, epoch, seq)
 
 
 class _Pipe:
@@ -282,9 +286,11 @@ class OrderedPublisher:
         token = str(self._token)
         item.state, item.error, item.sent_at = 0, None, time.monotonic()
         self._inflight[token] = item
+        hdrs = {"Nats-Msg-Id": item.msg_id}
+        if item.headers:
+            hdrs.update(item.headers)
         try:
-            await self._nc.publish(item.subject, item.data, reply=f"{self._inbox}.{token}",
-                                   headers={"Nats-Msg-Id": item.msg_id})
+            await self._nc.publish(item.subject, item.data, reply=f"{self._inbox}.{token}", headers=hdrs)
         except Exception:
             self._inflight.pop(token, None)
             raise
@@ -409,10 +415,13 @@ class BridgeConfig:
     backfill: bool = True  # on a fresh start, replay what the engine still buffers
     gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
     heartbeat_s: float = 10.0  # while the engine is quiet, re-state the last position this often (0 = never)
+    encoding: str = "binary"  # on the bus: "binary" (schemas.kv_binary) or "json" (the schema's JSON)
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
             raise ValueError(f"gap_policy must be one of {', '.join(GAP_POLICIES)}, not {self.gap_policy!r}")
+        if self.encoding not in kv_binary.ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(kv_binary.ENCODINGS)}, not {self.encoding!r}")
 
 
 @dataclass
@@ -436,6 +445,9 @@ async def last_stored_position(js: JetStreamContext, stream: str, subject: str) 
     except nats.js.errors.NotFoundError:
         return None
     try:
+        if kv_binary.is_binary(msg.data):
+            w = kv_binary.decode(msg.data)
+            return w.epoch, w.seq
         data = msgspec.json.decode(msg.data)
         return int(data["epoch"]), int(data["seq"])
     except Exception:  # noqa: BLE001 - an unreadable last message: start fresh
@@ -473,6 +485,7 @@ class KvBridge:
         self._dropped: set[int] = set()
         self._pod, self._model = cfg.pod, cfg.model
         self._decoder = FrameDecoder()
+        self._binary = cfg.encoding == "binary"
         self._last_put = time.monotonic()
         self._hb = 0
         self.ready = asyncio.Event()
@@ -519,8 +532,22 @@ class KvBridge:
         self._last_put = time.monotonic()
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
                          epoch, seq, norm.ts, events)
-        await self.publisher.put(_Item(self.subject, _json_enc.encode(batch), f"{self._pod}:{epoch}:{seq}", t0,
-                                       norm.blocks_stored, norm.blocks_removed))
+        data, hdrs = self._encode(batch)
+        await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0,
+                                       norm.blocks_stored, norm.blocks_removed, headers=hdrs))
+
+    def _encode(self, batch: OutBatch) -> tuple[bytes, dict[str, str]]:
+        """The message body and headers of one batch: binary, or JSON when so configured or when
+        the batch does not fit the binary layout (token ids past 32 bits)."""
+        if self._binary:
+            try:
+                data = kv_binary.encode(batch)
+            except (OverflowError, ValueError, TypeError):
+                pass
+            else:
+                return data, kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq)
+        return _json_enc.encode(batch), kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq,
+                                                          kv_binary.JSON_CONTENT_TYPE)
 
     async def _heartbeat(self) -> None:
         """While the engine sends nothing, publish an empty batch at the last position every
@@ -535,8 +562,9 @@ class KvBridge:
         self._hb += 1
         self._last_put = time.monotonic()
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank, t.epoch, t.last_seq, time.time(), [])
-        await self.publisher.put(_Item(self.subject, _json_enc.encode(batch),
-                                       f"{self._pod}:{t.epoch}:{t.last_seq}:hb{self._hb}", self._last_put))
+        data, hdrs = self._encode(batch)
+        await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{t.epoch}:{t.last_seq}:hb{self._hb}",
+                                       self._last_put, headers=hdrs))
 
     async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
         """Handle one live frame from the SUB socket (public for tests and benches)."""

@@ -192,3 +192,18 @@ class KvEventBatch(Event):
     @property
     def msg_id(self) -> str:
         return f"{self.pod}:{self.epoch}:{self.seq}"
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "KvEventBatch":
+        """A ``kv.events`` message in either encoding (JSON, or :mod:`schemas.kv_binary`),
+        fully validated; :class:`schemas.ValidationFailure` naming what is wrong."""
+        from schemas import kv_binary
+        from schemas.base import ValidationFailure, decode_event
+
+        if not kv_binary.is_binary(data):
+            return decode_event(cls, data)
+        try:
+            doc = kv_binary.to_dict(kv_binary.decode(data))
+        except ValueError as exc:  # msgspec's DecodeError / ValidationError, a ragged array
+            raise ValidationFailure(cls.__name__, [{"loc": ("binary",), "msg": str(exc)}]) from None
+        return decode_event(cls, doc)

@@ -135,11 +135,18 @@ __all__ = ["parse_since"]  # the one parser lives in infernex.commands.common
 
 def format_event(subject: str, data: bytes, seq: int | None, raw: bool) -> str:
     head = f"[{seq}] " if seq is not None else ""
+    from schemas import kv_binary
+
     if raw:
+        if kv_binary.is_binary(data):  # binary KV batches are shown as their JSON, never as msgpack bytes
+            try:
+                return f"{head}{subject} {json.dumps(kv_binary.to_dict(kv_binary.decode(data)), separators=(',', ':'))}"
+            except ValueError as exc:
+                return f"{head}{subject} <undecodable binary: {exc}> {data[:200]!r}"
         return f"{head}{subject} {data.decode(errors='replace')}"
     try:
         model = model_for_subject(subject)
-        event = decode_event(model, data)
+        event = model.from_bytes(data) if hasattr(model, "from_bytes") else decode_event(model, data)
         body = event.model_dump(mode="json", exclude_none=True)
         body.pop("schema_version", None)
         return f"{head}{subject} {model.__name__} {json.dumps(body, separators=(',', ':'))}"

@@ -65,6 +65,9 @@ def bridge_vllm_kv(
     max_frame_age: Optional[float] = typer.Option(None, "--max-frame-age", min=0,
                                                   help="not ready when no KV frame came for this many seconds "
                                                        "(default: the age is only reported; idle engines are quiet)"),
+    encoding: str = typer.Option("binary", "--encoding",
+                                 help="KV batches on the bus: binary (packed arrays, "
+                                      "application/vnd.infernex.kv+msgpack) or json (the schema's JSON)"),
 ) -> None:
     """Subscribe to a vLLM KV-event stream and publish one message per batch."""
     from prometheus_client import CollectorRegistry
@@ -72,13 +75,15 @@ def bridge_vllm_kv(
     from consumers.health import Health
     from consumers.kv_bridge import BridgeConfig, run_bridge
 
+    if encoding not in ("binary", "json"):
+        raise typer.BadParameter("give binary or json", param_hint="--encoding")
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise typer.BadParameter("endpoint must look like tcp://HOST:PORT", param_hint="--endpoint")
     settings = _settings(ctx)
     registry = CollectorRegistry()
     health = Health(f"kv-bridge {pod}")
     cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
-                       dp_rank=dp_rank, max_inflight=max_inflight)
+                       dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding)
 
     async def go():
         await _serve_health(metrics_port, registry, health, metrics_host)
@@ -88,8 +93,8 @@ def bridge_vllm_kv(
                   f"{stats.gaps_filled} gaps filled, {stats.gaps_lost} lost, {stats.restarts} restarts, "
                   f"{stats.dead_letters} dead letters")
 
-    out.print(f"bridging {endpoint} (pod {pod}, model {model}); Ctrl-C stops")
-    _run(go())
+    out.print(f"bridging {endpoint} (pod {pod}, model {model}, {encoding}); Ctrl-C stops")
+    _run(go(), fast=True)
 
 
 def _pair_targets(targets: list[str], pods: list[str]) -> list:
