@@ -2,7 +2,9 @@
 
 ``submit_*`` puts the event in a bounded queue and returns at once; when the queue is full the
 event is dropped and counted (``infernex_router_records_dropped_total``). A background task
-publishes to JetStream (``router.decisions.<pool>``, ``router.requests.<pool>``).
+publishes to JetStream (``router.decisions.<pool>``, ``router.requests.<pool>``); a publish that
+gets no ack after its retries is counted as ``infernex_router_records_unconfirmed_total`` (it may
+have been stored: the ack, not the record, may be what was lost).
 """
 
 from __future__ import annotations
@@ -138,6 +140,11 @@ class RecordSink:
                                 "Records dropped because the publish buffer was full", ["kind"], registry=registry)
         self._published = Counter("infernex_router_records_published_total", "Records published", ["kind"],
                                   registry=registry)
+        self.unconfirmed = 0
+        self._unconfirmed = Counter("infernex_router_records_unconfirmed_total",
+                                    "Records whose publish got no JetStream ack after retries (maybe stored, "
+                                    "maybe not; a retry within the duplicate window would not store it twice)",
+                                    ["kind"], registry=registry)
         self._dec_subject = S.with_prefix(prefix, S.router_decisions(pool))
         self._req_subject = S.with_prefix(prefix, S.router_requests(pool))
 
@@ -190,8 +197,8 @@ class BusRecordSink(RecordSink):
                 self.published += 1
                 self._published.labels("decision" if subject == self._dec_subject else "request").inc()
             except Exception as exc:  # noqa: BLE001 - a lost record must not stop the publisher
-                self.dropped += 1
-                self._dropped.labels("publish_error").inc()
+                self.unconfirmed += 1
+                self._unconfirmed.labels("decision" if subject == self._dec_subject else "request").inc()
                 log.warning("record publish to %s failed: %s", subject, type(exc).__name__)
             finally:
                 self._busy -= 1

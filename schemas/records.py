@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from schemas.base import Event
 
 RequestRole = Literal["aggregated", "pd"]
+#: which engines served the request: ``pd`` prefill pod then decode pod; ``decode`` a PD pool's
+#: decode pod alone (remote prefill skipped: it held the prefix); ``aggregated`` one engine did both
+ServedStage = Literal["aggregated", "pd", "decode"]
 RequestStatus = Literal["ok", "error", "cancelled", "rejected", "timeout"]
 
 
@@ -118,3 +121,10 @@ class RequestRecord(Event):
     retries: int = Field(default=0, ge=0)
     migrations: int = Field(default=0, ge=0)
     stream: bool = False
+    served_stage: ServedStage = "aggregated"
+    prefill_ttft_s: float | None = Field(default=None, ge=0, description="PD: the prefill stage's time to its "
+                                                                          "token (prefill pod TTFT)")
+    kv_transfer_s: float | None = Field(default=None, ge=0, description="PD: from the prefill's answer to the "
+                                        "decode's first token (KV pull plus one decode step; an upper bound)")
+    tpot_s: float | None = Field(default=None, ge=0, description="time per output token after the first: "
+                                 "(e2e - TTFT) / (output tokens - 1)")

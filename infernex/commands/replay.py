@@ -41,7 +41,7 @@ class Window:
 def _time(value: str | None) -> float | None:
     if value is None:
         return None
-    from infernex.commands.backbone import parse_since
+    from infernex.commands.common import parse_since
 
     try:
         return float(value)  # epoch seconds
