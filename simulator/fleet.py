@@ -107,6 +107,141 @@ class FleetResult:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+class Fleet:
+    """Engines per role in virtual time, resizable while running (``scale``): the event loop of
+    :func:`run_fleet`, step by step (``run_until``) so a planner can act between intervals."""
+
+    def __init__(self, cfg: EngineConfig, mode: Literal["aggregated", "pd"], **counts: int):
+        self.cfg, self.mode = cfg, mode
+        self.engines: list[_Engine] = []
+        self.by_name: dict[str, _Engine] = {}
+        self.outcomes: dict[str, Outcome] = {}
+        self.now = 0.0
+        self._n = 0
+        self._seq = 0
+        self._ev: list[tuple[float, int, str, object]] = []
+        self._scheduled: set[str] = set()
+        self._draining: set[str] = set()
+        roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
+        for role in roles:
+            self.scale(role, counts.get(role, 0))
+        if any(not self._live(r) for r in roles):
+            raise ValueError("a fleet needs at least one engine per role")
+
+    _KV = {"aggregated": "aggregated", "prefill": "kv_producer", "decode": "kv_consumer"}
+
+    def _live(self, role: str) -> list[_Engine]:
+        return [e for e in self.engines if e.role == role and e.name not in self._draining]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.engines:
+            if e.name not in self._draining:
+                out[e.role] = out.get(e.role, 0) + 1
+        return out
+
+    def scale(self, role: str, n: int) -> None:
+        """``n`` engines in ``role`` from now on; removed ones take no new requests, finish theirs."""
+        live = self._live(role)
+        for _ in range(n - len(live)):
+            e = _Engine(f"{role}-{self._n}", self.cfg.model_copy(update={"role": self._KV[role]}), role)
+            self._n += 1
+            e.t = self.now
+            self.engines.append(e)
+            self.by_name[e.name] = e
+        for e in live[max(n, 0):][::-1] if n < len(live) else []:
+            self._draining.add(e.name)
+            self._retire(e)
+
+    def _retire(self, e: _Engine) -> None:
+        if e.name in self._draining and not e.core.has_work and not e.core.transfers:
+            self.engines.remove(e)
+            self._draining.discard(e.name)
+
+    def submit(self, arrivals: list[Arrival], first_id: int = 0) -> None:
+        for i, a in enumerate(arrivals):
+            self._push(a.t, "arrive", (f"r{first_id + i}", a))
+
+    def _push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._ev, (t, self._seq, kind, payload))
+        self._seq += 1
+
+    def _wake(self, e: _Engine, t: float) -> None:
+        if e.name not in self._scheduled:
+            self._scheduled.add(e.name)
+            self._push(max(t, e.t), "step", e.name)
+
+    @staticmethod
+    def _pick(cands: list[_Engine], prefill_tokens: bool) -> _Engine:
+        if prefill_tokens:
+            return min(cands, key=lambda e: (e.queued_prefill, e.active, e.name))
+        return min(cands, key=lambda e: (e.active, e.name))
+
+    def run_until(self, until: float) -> None:
+        ev = self._ev
+        while ev and ev[0][0] <= until:
+            t, _, kind, payload = heapq.heappop(ev)
+            self.now = t
+            if kind == "arrive":
+                rid, a = payload
+                self.outcomes[rid] = Outcome(a.t, a.prompt_tokens, a.output_tokens)
+                e = self._pick(self._live("aggregated" if self.mode == "aggregated" else "prefill"), True)
+                prompt = _prompt(rid, a.prompt_tokens)
+                if e.role == "prefill":
+                    e.core.add_request(rid, prompt, 1, t, do_remote_decode=True)
+                else:
+                    e.core.add_request(rid, prompt, a.output_tokens, t)
+                e.queued_prefill += a.prompt_tokens
+                e.active += 1
+                self._wake(e, t)
+            elif kind == "handoff":
+                rid, src = payload
+                o = self.outcomes[rid]
+                d = self._pick(self._live("decode"), False)
+                prod = self.by_name[src]
+                prod.core.take_transfer(rid, t)  # the consumer pulls: the producer frees its blocks
+                self._retire(prod)
+                d.core.add_request(rid, _prompt(rid, o.prompt_tokens), o.output_tokens, t,
+                                   remote_prefill=RemotePrefill(src, o.prompt_tokens))
+                d.active += 1
+                self._wake(d, t)
+            else:
+                e = self.by_name[payload]
+                self._scheduled.discard(e.name)
+                # decode-only batches run up to the next event in one call (same tokens and times)
+                r = e.core.step(t, ev[0][0] if ev else t + 1.0)
+                if r.idle:
+                    if r.next_wakeup is not None:
+                        self._wake(e, r.next_wakeup)
+                    continue
+                e.t = r.end
+                for out in r.outputs:
+                    rid = out.request_id
+                    o = self.outcomes[rid]
+                    if e.role == "prefill":
+                        if out.finished:
+                            o.prefill_done = out.time
+                            e.queued_prefill -= o.prompt_tokens
+                            e.active -= 1
+                            self._push(out.time, "handoff", (rid, e.name))
+                        continue
+                    n = len(out.new_token_ids)
+                    if n:
+                        if o.first_token is None:
+                            o.first_token = out.time
+                            if e.role == "aggregated":
+                                e.queued_prefill -= o.prompt_tokens
+                        o.last_token = out.time
+                        o.tokens += n
+                    if out.finished:
+                        e.active -= 1
+                if e.core.has_work:
+                    self._wake(e, r.end)
+                else:
+                    self._retire(e)
+        self.now = max(self.now, until)
+
+
 def run_fleet(arrivals: list[Arrival], cfg: EngineConfig, *, mode: Literal["aggregated", "pd"], engines: int = 0,
               prefill: int = 0, decode: int = 0, drain_s: float = 120.0) -> FleetResult:
     """Serve ``arrivals`` on ``engines`` aggregated engines, or ``prefill`` + ``decode`` PD engines.
@@ -114,109 +249,11 @@ def run_fleet(arrivals: list[Arrival], cfg: EngineConfig, *, mode: Literal["aggr
     Routing: aggregated and prefill to the engine with the fewest queued prompt tokens (ties: fewest
     requests), decode to the engine with the fewest requests. The run ends when every request is
     done or ``drain_s`` after the last arrival."""
-    if mode == "aggregated":
-        fleet = [_Engine(f"agg-{i}", cfg.model_copy(update={"role": "aggregated"}), "aggregated")
-                 for i in range(engines)]
-        counts = {"aggregated": engines}
-    else:
-        fleet = [_Engine(f"prefill-{i}", cfg.model_copy(update={"role": "kv_producer"}), "prefill")
-                 for i in range(prefill)]
-        fleet += [_Engine(f"decode-{i}", cfg.model_copy(update={"role": "kv_consumer"}), "decode")
-                  for i in range(decode)]
-        counts = {"prefill": prefill, "decode": decode}
-    if not fleet or (mode == "pd" and (prefill < 1 or decode < 1)):
-        raise ValueError("a fleet needs at least one engine per role")
-    by_name = {e.name: e for e in fleet}
-    front = [e for e in fleet if e.role in ("aggregated", "prefill")]
-    back = [e for e in fleet if e.role == "decode"]
-    res = FleetResult(mode, counts)
-    outcomes: dict[str, Outcome] = {}
-    where: dict[str, _Engine] = {}  # request id -> the engine holding it now
-    seq = 0
-    # events: (time, order, kind, payload); kinds: arrive, handoff (PD prefill -> decode), step
-    ev: list[tuple[float, int, str, object]] = []
-    for i, a in enumerate(arrivals):
-        heapq.heappush(ev, (a.t, seq, "arrive", (f"r{i}", a)))
-        seq += 1
-    scheduled: set[str] = set()  # engines with a pending step event
-    end_t = (arrivals[-1].t if arrivals else 0.0) + drain_s
-
-    def wake(e: _Engine, t: float) -> None:
-        nonlocal seq
-        if e.name in scheduled:
-            return
-        scheduled.add(e.name)
-        heapq.heappush(ev, (max(t, e.t), seq, "step", e.name))
-        seq += 1
-
-    def pick(cands: list[_Engine], prefill_tokens: bool) -> _Engine:
-        if prefill_tokens:
-            return min(cands, key=lambda e: (e.queued_prefill, e.active, e.name))
-        return min(cands, key=lambda e: (e.active, e.name))
-
-    while ev:
-        t, _, kind, payload = heapq.heappop(ev)
-        if t > end_t:
-            break
-        if kind == "arrive":
-            rid, a = payload
-            outcomes[rid] = Outcome(a.t, a.prompt_tokens, a.output_tokens)
-            e = pick(front, True)
-            prompt = _prompt(rid, a.prompt_tokens)
-            if e.role == "prefill":
-                e.core.add_request(rid, prompt, 1, t, do_remote_decode=True)
-            else:
-                e.core.add_request(rid, prompt, a.output_tokens, t)
-            e.queued_prefill += a.prompt_tokens
-            e.active += 1
-            where[rid] = e
-            wake(e, t)
-        elif kind == "handoff":
-            rid, src = payload
-            o = outcomes[rid]
-            d = pick(back, False)
-            prod = by_name[src]
-            prod.core.take_transfer(rid, t)  # the consumer pulls: the producer frees its blocks
-            d.core.add_request(rid, _prompt(rid, o.prompt_tokens), o.output_tokens, t,
-                               remote_prefill=RemotePrefill(src, o.prompt_tokens))
-            d.active += 1
-            where[rid] = d
-            wake(d, t)
-        else:
-            e = by_name[payload]
-            scheduled.discard(e.name)
-            # decode-only batches run up to the next event in one call (same tokens and times)
-            r = e.core.step(t, ev[0][0] if ev else t + 1.0)
-            if r.idle:
-                if r.next_wakeup is not None:
-                    wake(e, r.next_wakeup)
-                continue
-            e.t = r.end
-            for out in r.outputs:
-                rid = out.request_id
-                o = outcomes[rid]
-                if e.role == "prefill":
-                    if out.finished:
-                        o.prefill_done = out.time
-                        e.queued_prefill -= o.prompt_tokens
-                        e.active -= 1
-                        heapq.heappush(ev, (out.time, seq, "handoff", (rid, e.name)))
-                        seq += 1
-                    continue
-                n = len(out.new_token_ids)
-                if n:
-                    if o.first_token is None:
-                        o.first_token = out.time
-                        if e.role == "aggregated":
-                            e.queued_prefill -= o.prompt_tokens
-                    o.last_token = out.time
-                    o.tokens += n
-                if out.finished:
-                    e.active -= 1
-                    where.pop(rid, None)
-            if e.core.has_work:
-                wake(e, r.end)
-    res.outcomes = list(outcomes.values())
+    counts = {"aggregated": engines} if mode == "aggregated" else {"prefill": prefill, "decode": decode}
+    fleet = Fleet(cfg, mode, **counts)
+    fleet.submit(arrivals)
+    fleet.run_until((arrivals[-1].t if arrivals else 0.0) + drain_s)
+    res = FleetResult(mode, counts, list(fleet.outcomes.values()))
     res.duration = max(arrivals[-1].t, 1e-9) if arrivals else 1.0
     return res
 
