@@ -353,7 +353,11 @@ _default = FrameDecoder()
 
 
 def decode_frame(payload: bytes) -> Normalized:
-    """One ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if unreadable."""
+    """One ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if unreadable.
+
+    Stateless about KV-cache groups (what one engine's stores taught never judges another
+    engine's removals): a consumer of one engine's stream keeps its own :class:`FrameDecoder`."""
+    _default.groups.clear()
     return _default.decode(payload)
 
 

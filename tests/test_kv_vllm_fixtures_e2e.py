@@ -20,7 +20,7 @@ from consumers.indexer import IndexerConfig, IndexerService
 from consumers.kv_bridge import BridgeConfig, KvBridge
 from schemas import subjects as S
 from streams.topology import stream_for_subject
-from tests.fixtures import vllm as fx
+from fixtures import vllm as fx
 
 MODEL = "vllm-fixture-model"
 POD = "pod-a"

@@ -12,7 +12,7 @@ import msgspec
 
 from consumers.kv_wire import FrameDecoder, OutCleared, OutRemoved, OutStored, decode_frame
 from streams.kv_keys import extra_salt
-from tests.fixtures import vllm as fx
+from fixtures import vllm as fx
 
 U64 = (1 << 64) - 1
 

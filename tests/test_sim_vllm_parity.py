@@ -11,7 +11,7 @@ import zmq
 from simulator.hashing import BlockHasher, event_extra_keys, request_extra_keys, to_external
 from simulator.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
 from simulator.kv_publisher import KvEventPublisher
-from tests.fixtures import vllm as fx
+from fixtures import vllm as fx
 
 FMT = {"0.11.2": "0.11", "0.22.1": "0.22", "0.33.0": "0.33"}
 

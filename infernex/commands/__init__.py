@@ -29,4 +29,5 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gen-workload": ("workloads", "Write a seeded synthetic workload (Mooncake format)."),
     "trace-stats": ("workloads", "Validate a trace and print its shape."),
     "export": ("export", "Mirror JetStream subjects to external systems."),
+    "pd-sidecar": ("pd_sidecar", "Decode-side P/D sidecar for EPP mode."),
 }
