@@ -65,6 +65,7 @@ from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decod
     decode_frame,
 )
 from schemas import subjects as S
+from schemas.kv import MAX_EPOCH, MAX_SEQ
 
 log = logging.getLogger(__name__)
 
@@ -403,6 +404,7 @@ class BridgeConfig:
     recover: bool = True  # continue from the last batch stored for this pod
     backfill: bool = True  # on a fresh start, replay what the engine still buffers
     gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
+    heartbeat_s: float = 10.0  # while the engine is quiet, re-state the last position this often (0 = never)
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
@@ -420,6 +422,7 @@ class BridgeStats:
     restarts: int = 0
     published: int = 0
     blocks: int = 0
+    last_frame_at: float | None = None  # time.monotonic() of the last live frame (for /readyz)
 
 
 async def last_stored_position(js: JetStreamContext, stream: str, subject: str) -> tuple[int, int] | None:
@@ -466,6 +469,8 @@ class KvBridge:
         self._dropped: set[int] = set()
         self._pod, self._model = cfg.pod, cfg.model
         self._decoder = FrameDecoder()
+        self._last_put = time.monotonic()
+        self._hb = 0
         self.ready = asyncio.Event()
 
     def _acked(self, item: _Item) -> None:
@@ -507,20 +512,42 @@ class KvBridge:
         if owed is not None:
             events = [OutReset(owed), *events]
         epoch = self.tracker.epoch
+        self._last_put = time.monotonic()
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
                          epoch, seq, norm.ts, events)
         await self.publisher.put(_Item(self.subject, _json_enc.encode(batch), f"{self._pod}:{epoch}:{seq}", t0,
                                        norm.blocks_stored, norm.blocks_removed))
 
+    async def _heartbeat(self) -> None:
+        """While the engine sends nothing, publish an empty batch at the last position every
+        ``heartbeat_s``: the indexer refreshes the pod's liveness from it (and applies nothing),
+        so a pod whose bridge and engine are gone expires after ``pod_timeout_s`` while a quiet
+        one does not. Its message id is distinct (``...:hb<n>``) and it is queued behind every
+        real batch, so it never overtakes one."""
+        every = self.cfg.heartbeat_s
+        t = self.tracker
+        if not every or t.last_seq is None or time.monotonic() - self._last_put < every:
+            return
+        self._hb += 1
+        self._last_put = time.monotonic()
+        batch = OutBatch(self._pod, self._model, self.cfg.dp_rank, t.epoch, t.last_seq, time.time(), [])
+        await self.publisher.put(_Item(self.subject, _json_enc.encode(batch),
+                                       f"{self._pod}:{t.epoch}:{t.last_seq}:hb{self._hb}", self._last_put))
+
     async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
         """Handle one live frame from the SUB socket (public for tests and benches)."""
         t0 = time.monotonic() if t0 is None else t0
+        self.stats.last_frame_at = t0
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.frames += 1
             await self._dead_letter(b"".join(frames[-1:]),
                                     f"frame has {len(frames)} parts (want topic, 8-byte seq, payload)", None)
             return
         seq = int.from_bytes(frames[1], "big")
+        if seq > MAX_SEQ:  # vLLM's seq is a signed int64: this is a corrupt frame, not a position
+            self.stats.frames += 1
+            await self._dead_letter(frames[2], f"sequence {seq} is past 2**63-1", None)
+            return
         if self._drop is not None and seq not in self._dropped and self._drop(seq):
             self._dropped.add(seq)
             return
@@ -613,6 +640,10 @@ class KvBridge:
         if not self.cfg.recover or self.stream is None:
             return
         pos = await last_stored_position(self.js, self.stream, self.subject)
+        if pos is not None and not (0 <= pos[0] <= MAX_EPOCH and 0 <= pos[1] <= MAX_SEQ):
+            log.warning("kv-bridge %s: the last stored batch has epoch %d seq %d, out of bounds; starting fresh",
+                        self._pod, *pos)
+            pos = None
         if pos is not None:
             self.tracker.epoch, self.tracker.last_seq = pos
             log.info("kv-bridge %s: continuing after epoch %d seq %d", self._pod, *pos)
@@ -633,6 +664,7 @@ class KvBridge:
                 if sender.done():
                     sender.result()  # surface a crash
                 if not await sub.poll(100):
+                    await self._heartbeat()
                     continue
                 t0 = time.monotonic()
                 for _ in range(1000):
@@ -654,8 +686,10 @@ class KvBridge:
 
 
 async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: CollectorRegistry | None = None,
-                     stop: asyncio.Event | None = None) -> BridgeStats:
-    """Connect to NATS and run one bridge until ``stop`` (CLI entry)."""
+                     stop: asyncio.Event | None = None, health=None,
+                     max_frame_age_s: float | None = None) -> BridgeStats:
+    """Connect to NATS and run one bridge until ``stop`` (CLI entry); ``health`` (a
+    :class:`consumers.health.Health`) gets its checks: NATS connected, age of the last frame."""
     from streams.topology import build_topology, stream_for_subject
 
     stop = stop or asyncio.Event()
@@ -666,6 +700,11 @@ async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: Co
         spec = stream_for_subject(topo, subject)
         bridge = KvBridge(cfg, nc, subject_prefix=nats_cfg.subject_prefix, registry=registry,
                           stream=spec.name if spec else None)
+        if health is not None:
+            from consumers.health import age_check, nats_check
+
+            health.add("nats", nats_check(nc)).add(
+                "kv_frames", age_check(lambda: bridge.stats.last_frame_at, max_age_s=max_frame_age_s))
         return await bridge.run(stop)
     finally:
         await nc.close()

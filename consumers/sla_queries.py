@@ -201,6 +201,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         ORDER BY (pool, role, minute)
         TTL minute + toIntervalDay({{ttl}})""",
     )),
+    Migration(3, "per-stage request fields: served stage, prefill TTFT, KV transfer, TPOT", (
+        "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS served_stage LowCardinality(String) "
+        "DEFAULT if(role = 'pd', if(prefill_pod IS NULL, 'decode', 'pd'), 'aggregated')",
+        "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS prefill_ttft_s Nullable(Float64)",
+        "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS kv_transfer_s Nullable(Float64)",
+        "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS tpot_s Nullable(Float64)",
+    )),
 )
 
 #: table -> (TTL expression column, which TTL setting); used to re-apply a changed TTL
@@ -350,6 +357,53 @@ def _num(v: Any) -> float | None:
         return None
     f = float(v)
     return None if math.isnan(f) else f
+
+
+STAGE_SQL = """
+SELECT pool, stage, count() AS requests,
+       {qf}({qs})(ttft) AS ttft_q, {qf}({qs})(tpot) AS tpot_q, {qf}({qs})(kv) AS kv_q,
+       avg(ttft) AS ttft_mean, avg(tpot) AS tpot_mean, avg(kv) AS kv_mean,
+       countIf(ok AND ifNull(ttft, 0) <= {{ttft_target:Float64}}) / count() AS ttft_attainment,
+       countIf(ok AND ifNull(tpot, 0) <= {{itl_target:Float64}}) / count() AS tpot_attainment
+FROM (
+    -- the prefill stage of PD requests: the prefill pod's time to its token
+    SELECT pool, 'prefill' AS stage, prefill_ttft_s AS ttft, CAST(NULL AS Nullable(Float64)) AS tpot,
+           CAST(NULL AS Nullable(Float64)) AS kv, status = 'ok' AS ok
+    FROM {db}.request_records FINAL WHERE {where} AND served_stage = 'pd' AND prefill_ttft_s IS NOT NULL
+    UNION ALL
+    -- the decode stage (with or without a remote prefill): first token as the client saw it, TPOT, KV pull
+    SELECT pool, 'decode' AS stage, ttft_s AS ttft, tpot_s AS tpot, kv_transfer_s AS kv, status = 'ok' AS ok
+    FROM {db}.request_records FINAL WHERE {where} AND served_stage IN ('pd', 'decode')
+    UNION ALL
+    SELECT pool, 'aggregated' AS stage, ttft_s AS ttft, tpot_s AS tpot, CAST(NULL AS Nullable(Float64)) AS kv,
+           status = 'ok' AS ok
+    FROM {db}.request_records FINAL WHERE {where} AND served_stage = 'aggregated'
+)
+GROUP BY pool, stage ORDER BY pool, stage"""
+
+
+def sla_stages(store: SlaStore, since: float, until: float, *, targets: SlaTargets | None = None,
+               pool: str | None = None, exact: bool = True) -> list[dict[str, Any]]:
+    """Per (pool, stage): ``prefill`` (PD prefill pods: their TTFT), ``decode`` (PD decode pods:
+    client TTFT, TPOT, KV-transfer time) and ``aggregated`` (TTFT, TPOT); p50/p90/p99, means, and
+    the share within the TTFT and the ITL target (TPOT against the ITL target)."""
+    where, params = _window(since, until)
+    where += _pool_filter(pool, params)
+    params.update(_targets(targets))
+    qf = "quantilesExactInclusive" if exact else "quantilesTDigest"
+    sql = STAGE_SQL.format(qf=qf, qs=", ".join(str(q) for q in QUANTILES), db=store.database, where=where)
+    out = []
+    for row in store.rows(sql, params):
+        r = dict(row)
+        for name in ("ttft", "tpot", "kv"):
+            qs = r.pop(f"{name}_q") or []
+            for q, v in zip(QUANTILES, qs):
+                r[f"{name}_p{int(round(q * 100))}"] = _num(v)
+        for k in ("ttft_mean", "tpot_mean", "kv_mean", "ttft_attainment", "tpot_attainment"):
+            r[k] = _num(r.get(k))
+        r["requests"] = int(r["requests"])
+        out.append(r)
+    return out
 
 
 def sla_summary(store: SlaStore, since: float, until: float, *, targets: SlaTargets | None = None,

@@ -157,7 +157,8 @@ class SlaSink:
                     row, ts = route.to_row(msg)
                 except ValidationFailure as exc:
                     await self.dead_letters.send(spec.logical, msg.subject, msg.data, str(exc),
-                                                 headers=dict(msg.headers or {}))
+                                                 headers=dict(msg.headers or {}),
+                                                 stream_seq=bus.stream_seq_of(msg))
                     await msg.ack()
                     continue
                 if not buf.rows:

@@ -86,7 +86,7 @@ class Router:
             overlap = overlaps_from_index(index_view, request, st.approximate) if st.needs_overlap else {}
         nblocks = len(request.keys) if (request.token_ids is None and request.keys) else request.prompt_tokens // bs
         ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, rng=self.rng, now=now,
-                  prompt_tokens=request.prompt_tokens, load_epoch=load_epoch)
+                  prompt_tokens=request.prompt_tokens, load_epoch=load_epoch, backends=backends)
         cands = list(backends)
         model = request.model
         best = 0

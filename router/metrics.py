@@ -18,6 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 DEFAULT_BUCKETS = (.005, .01, .025, .05, .075, .1, .25, .5, .75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# LLM requests run for minutes: end-to-end, TTFT and queue time up to 10 minutes
+LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ITL_BUCKETS = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75, 1.0, 2.5, 5.0, 10.0)
 
 
 class CounterChild:
@@ -122,3 +125,24 @@ class FastMetrics:
             yield (CounterMetricFamily if f.kind == "counter" else HistogramMetricFamily)(f.name, f.doc)
         for name, doc, _ in self._gauges:
             yield GaugeMetricFamily(name, doc)
+
+
+class PluginEventsCollector:
+    """``infernex_router_plugin_events_total{plugin, event}``: what strategy plugins count
+    (:meth:`router.plugins.base.Plugin.events`), e.g. PD-Bucket falling back to another group."""
+
+    def __init__(self, strategy_getter) -> None:  # noqa: ANN001 - a callable returning the live Strategy
+        self._strategy = strategy_getter
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("infernex_router_plugin_events", "Events counted by strategy plugins",
+                                  labels=["plugin", "event"])
+        seen = set()
+        for prof in self._strategy().profiles.values():
+            for p in prof.filters + [s for s, _ in prof.scorers] + [prof.picker]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                for ev, n in p.events().items():
+                    fam.add_metric([p.name, ev], n)
+        yield fam

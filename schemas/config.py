@@ -36,6 +36,12 @@ class NatsConfig(_Section):
     max_reconnect_attempts: int = -1
     subject_prefix: str | None = Field(default=None, description="root under which all subjects live")
 
+    def __repr_args__(self):  # URLs may hold credentials: printed redacted
+        from schemas.redact import redact_url
+
+        for k, v in super().__repr_args__():
+            yield k, ([redact_url(u) for u in v] if k == "servers" else v)
+
     @field_validator("servers", mode="before")
     @classmethod
     def _split(cls, v):  # noqa: ANN001

@@ -162,6 +162,25 @@ class SimCluster:
             raise RuntimeError("cluster is not started")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    async def add_engine(self, config: EngineConfig, host: str = "127.0.0.1") -> EngineHandle:
+        """Start one more engine at run time (call on the cluster's loop, e.g. from simulator.control)."""
+        [eng] = await start_engines([EngineSpec(config, host=host, kv_events=False)], time_scale=self.time_scale,
+                                    peers=self.peers, kv_array_like=self.kv_array_like)
+        h = EngineHandle(self, eng)
+        self.engines.append(h)
+        return h
+
+    async def remove_engine(self, engine_id: str, drain_s: float = 30.0) -> bool:
+        """Stop an engine at run time: it leaves the peer map and stops taking requests, the ones
+        running finish (up to ``drain_s`` real seconds), then it stops."""
+        h = next((h for h in self.engines if h.engine_id == engine_id), None)
+        if h is None:
+            return False
+        self.engines.remove(h)
+        await h.engine.drain(drain_s)
+        await h.engine.stop()
+        return True
+
     def __getitem__(self, i: int) -> EngineHandle:
         return self.engines[i]
 

@@ -95,6 +95,9 @@ class FaultConfig(_Frozen):
     die_after_tokens: int | None = Field(default=None, ge=0, description="close streams after N tokens")
     slow_factor: float = Field(default=1.0, ge=1.0, description="multiplies every step's duration")
     error_rate: float = Field(default=0.0, ge=0, le=1, description="fraction of requests answered 500")
+    recompute_after_tokens: int | None = Field(
+        default=None, ge=0, description="a KV consumer ends remote-prefilled requests after N tokens with "
+                                        "stop_reason 'recomputed' (vllm-ascend: the decode node lost the KV)")
     seed: int = 0
 
 
@@ -120,6 +123,11 @@ class EngineConfig(_Frozen):
     vocab_size: int | None = Field(default=None, gt=32, description="simple tokenizer vocabulary (default: model's)")
     role: Role = "aggregated"
     kv_transfer_timeout_s: float = Field(default=480.0, gt=0, description="producer keeps blocks this long")
+    kv_connector: Literal["nixl", "mooncake", "mooncake_ascend"] = Field(
+        default="nixl", description="the KV connector whose PD request fields this engine requires: vLLM's "
+        "NixlConnector/P2P flow, upstream vLLM's MooncakeConnector, or vllm-ascend's MooncakeConnectorV1")
+    kv_link_gbps: float | None = Field(default=None, gt=0, description="KV transfer bandwidth (GB/s) between "
+                                       "engines; None: the hardware profile's interconnect")
     emit_kv_events: bool = True
     kv_events_format: Literal["0.33", "0.22", "0.11"] = Field(
         default="0.33", description="the vLLM release whose KV-event wire format and replay protocol to speak")

@@ -98,6 +98,7 @@ class Request:
     num_preemptions: int = 0
     num_tokens: int = 0  # len(prompt) + len(output), kept up to date
     prompt_len: int = 0
+    transfer_id: str | None = None  # producer: the key a consumer pulls the KV by (default: request_id)
 
 
 @dataclass(slots=True)
@@ -179,7 +180,7 @@ class EngineCore:
         self._attn_flops = 4 * m.num_layers * m.hidden_size  # per (query token x context token)
         self._weight_bytes = m.weight_bytes
         self.kv_bytes_per_token = m.kv_bytes_per_token
-        self._link_bw = hw.kv_link_gb_s * 1e9
+        self._link_bw = (config.kv_link_gbps or hw.kv_link_gb_s) * 1e9
         self._link_latency = hw.kv_link_latency_ms / 1e3
 
         # KV cache
@@ -212,6 +213,7 @@ class EngineCore:
         do_remote_decode: bool = False,
         remote_prefill: RemotePrefill | None = None,
         num_prompt_tokens: int | None = None,
+        transfer_id: str | None = None,
     ) -> Request:
         """Queue a request (raises ``ValueError`` for requests vLLM would reject).
 
@@ -260,7 +262,7 @@ class EngineCore:
             prompt = list(prompt_token_ids)
         req = Request(request_id, prompt, max_tokens, arrival_time, keys, digest,
                       cache_salt=cache_salt, do_remote_decode=do_remote_decode, remote=remote_prefill,
-                      num_tokens=n, prompt_len=n)
+                      num_tokens=n, prompt_len=n, transfer_id=transfer_id)
         self._requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -352,7 +354,10 @@ class EngineCore:
         return t
 
     def transfer_time(self, num_tokens: int) -> float:
-        return self._link_latency + num_tokens * self.kv_bytes_per_token / self._link_bw
+        """Pulling ``num_tokens`` of KV: whole paged blocks move (the last one partly filled), at the
+        connector link's bandwidth (``kv_link_gbps`` or the hardware profile's), plus its latency."""
+        blocks = -(-num_tokens // self.block_size)
+        return self._link_latency + blocks * self.block_size * self.kv_bytes_per_token / self._link_bw
 
     def _release_transfer(self, t: Transfer) -> None:
         if self.transfers.pop(t.transfer_id, None) is not None:
@@ -495,7 +500,7 @@ class EngineCore:
         del self._requests[req.request_id]
         if req.do_remote_decode:
             digest = req.out_seed if req.prompt is None else self.prompt_digest(req.prompt)
-            t = Transfer(req.request_id, req.blocks, req.prompt_len, digest,
+            t = Transfer(req.transfer_id or req.request_id, req.blocks, req.prompt_len, digest,
                          end + self.config.kv_transfer_timeout_s)
             old = self.transfers.pop(t.transfer_id, None)
             if old is not None:

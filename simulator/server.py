@@ -142,7 +142,7 @@ class SimEngine:
         port: int = 0,
         kv_endpoint: str | None = "tcp://127.0.0.1:0",
         replay_endpoint: str | None = "tcp://127.0.0.1:0",
-        kv_topic: str = "kv-events",
+        kv_topic: str = "",  # vLLM's KVEventsConfig.topic default
         time_scale: float = 1.0,
         registry: CollectorRegistry | None = None,
         peers: MutableMapping[str, "SimEngine"] | None = None,
@@ -216,6 +216,9 @@ class SimEngine:
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._set_faults)
         app.router.add_post("/internal/kv/pull", self._kv_pull)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/v1/completions/render", self._render_completion)
         return app
 
     async def start(self) -> "SimEngine":
@@ -267,6 +270,15 @@ class SimEngine:
             await self._client.close()
         if self.publisher is not None:
             self.publisher.close()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait (real seconds) until no request runs here and no prefilled KV waits to be pulled."""
+        end = time.monotonic() + timeout_s
+        while self._streams or self.core.transfers:
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def restart(self) -> None:
         """Behave like a restarted engine: empty cache, requests dropped, KV sequence back to 0."""
@@ -350,11 +362,11 @@ class SimEngine:
         self._drop_batches = n
 
     def _submit(self, rid: str, prompt_ids: list[int], max_tokens: int, *, cache_salt: str | None,
-                do_remote_decode: bool, remote: RemotePrefill | None) -> asyncio.Queue:
+                do_remote_decode: bool, remote: RemotePrefill | None, transfer_id: str | None = None) -> asyncio.Queue:
         q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
         try:
             self.core.add_request(rid, prompt_ids, max_tokens, self.vnow(), cache_salt=cache_salt,
-                                  do_remote_decode=do_remote_decode, remote_prefill=remote)
+                                  do_remote_decode=do_remote_decode, remote_prefill=remote, transfer_id=transfer_id)
         except TransferError as exc:
             raise ApiError(400, str(exc)) from None
         except ValueError as exc:
@@ -424,6 +436,9 @@ class SimEngine:
         tid = body.get("remote_request_id")
         if not isinstance(tid, str):
             raise ApiError(400, "remote_request_id is required")
+        want = body.get("remote_engine_id")
+        if want is not None and want != self.engine_id:
+            raise ApiError(404, f"this bootstrap serves engine {self.engine_id!r}, not {want!r}", "NotFoundError")
         try:
             t = self.take_transfer(tid, body.get("num_tokens"), body.get("remote_block_ids"),
                                    body.get("prompt_digest"))
@@ -446,7 +461,9 @@ class SimEngine:
 
     def _kv_params_out(self, out: RequestOutput) -> dict | None:
         t = out.kv_transfer
-        if t is None:
+        if t is None or self.config.kv_connector == "mooncake":
+            # upstream MooncakeConnector: the decode side is told where to pull by the proxy
+            # (transfer_id, remote_bootstrap_addr, remote_engine_id); the prefill answer carries none
             return None
         return {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": t.block_ids,
@@ -455,30 +472,63 @@ class SimEngine:
             "num_prompt_blocks": len(t.block_ids), "remote_block_size": self.config.block_size,
         }
 
+    def _consumer_fields(self, params: dict) -> tuple[str, str, str | None, int | None]:
+        """What this engine's connector needs to pull a prompt's KV: (engine id, transfer key, host, port).
+
+        The fields each real connector reads on the decode side (a request missing one fails there):
+        NIXL (vLLM) and vllm-ascend's MooncakeConnectorV1 take the prefill's own answer
+        (remote_engine_id, remote_request_id, remote_block_ids, remote_host, remote_port); upstream
+        vLLM's MooncakeConnector takes the proxy's transfer_id, remote_bootstrap_addr and remote_engine_id.
+        """
+        conn = self.config.kv_connector
+        if conn == "mooncake":
+            missing = [k for k in ("transfer_id", "remote_bootstrap_addr", "remote_engine_id")
+                       if not isinstance(params.get(k), str) or not params.get(k)]
+            if missing:
+                raise ApiError(400, f"MooncakeConnector: kv_transfer_params lack {', '.join(missing)}",
+                               param="kv_transfer_params")
+            addr = params["remote_bootstrap_addr"]
+            if not addr.startswith(("http://", "https://")):
+                raise ApiError(400, "MooncakeConnector: remote_bootstrap_addr must be an http:// URL",
+                               param="kv_transfer_params")
+            from urllib.parse import urlsplit
+            u = urlsplit(addr)
+            return params["remote_engine_id"], params["transfer_id"], u.hostname, u.port
+        need = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+        missing = [k for k in need if params.get(k) is None]
+        if missing:
+            name = "MooncakeConnectorV1" if conn == "mooncake_ascend" else "NixlConnector"
+            raise ApiError(400, f"{name}: kv_transfer_params lack {', '.join(missing)}", param="kv_transfer_params")
+        engine_id, tid = params.get("remote_engine_id"), params.get("remote_request_id")
+        if not isinstance(engine_id, str) or not isinstance(tid, str):
+            raise ApiError(400, "kv_transfer_params need remote_engine_id and remote_request_id")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        return engine_id, tid, host if isinstance(host, str) else None, port if isinstance(port, int) else None
+
     async def _pull_remote(self, params: dict, prompt_ids: list[int]) -> RemotePrefill:
         role = self.config.role
         if role not in ("kv_consumer", "kv_both"):
             raise ApiError(400, f"engine role {role} cannot take kv_transfer_params with do_remote_prefill")
-        engine_id, tid = params.get("remote_engine_id"), params.get("remote_request_id")
-        if not isinstance(engine_id, str) or not isinstance(tid, str):
-            raise ApiError(400, "kv_transfer_params need remote_engine_id and remote_request_id")
+        engine_id, tid, host, port = self._consumer_fields(params)
         block_ids = params.get("remote_block_ids")
         if params.get("remote_block_size", self.config.block_size) != self.config.block_size:
             raise ApiError(400, "remote block size differs from this engine's block size")
         peer = self.peers.get(engine_id)
+        if peer is not None and self.config.kv_connector == "mooncake" and (host, port) != (peer.host, peer.port):
+            raise ApiError(400, f"KV transfer failed: engine {engine_id!r} does not serve bootstrap {host}:{port}")
         if peer is not None:
             try:
                 t = peer.take_transfer(tid, len(prompt_ids), block_ids, EngineCore.prompt_digest(prompt_ids))
             except TransferError as exc:
                 raise ApiError(400, f"KV transfer failed: {exc}") from None
             return RemotePrefill(engine_id, t.num_tokens)
-        host, port = params.get("remote_host"), params.get("remote_port")
         if not isinstance(host, str) or not isinstance(port, int):
             raise ApiError(400, f"unknown remote engine {engine_id!r} and no remote_host/remote_port to reach it")
         assert self._client is not None
         try:
             async with self._client.post(f"http://{host}:{port}/internal/kv/pull", json={
-                "remote_request_id": tid, "num_tokens": len(prompt_ids), "remote_block_ids": block_ids,
+                "remote_request_id": tid, "remote_engine_id": engine_id,
+                "num_tokens": len(prompt_ids), "remote_block_ids": block_ids,
                 "prompt_digest": EngineCore.prompt_digest(prompt_ids),
             }) as resp:
                 data = await resp.json(content_type=None)
@@ -501,14 +551,29 @@ class SimEngine:
             max_tokens = min(default_max, max(1, self.config.max_model_len - len(prompt_ids)))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
+        for key in ("min_tokens", "min_completion_tokens"):  # vLLM's SamplingParams checks
+            mt = body.get(key)
+            if mt is None:
+                continue
+            if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:
+                raise ApiError(400, f"{key} must be greater than or equal to 0, got {mt}", param=key)
+            if mt > max_tokens:
+                raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {mt}",
+                               param=key)
         params = body.get("kv_transfer_params") or {}
         if not isinstance(params, dict):
             raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
         do_remote_decode = bool(params.get("do_remote_decode"))
         remote = None
+        transfer_id = None
         if do_remote_decode:
             if self.config.role not in ("kv_producer", "kv_both"):
                 raise ApiError(400, f"engine role {self.config.role} cannot serve do_remote_decode requests")
+            if self.config.kv_connector == "mooncake":
+                transfer_id = params.get("transfer_id")
+                if not isinstance(transfer_id, str) or not transfer_id:
+                    raise ApiError(400, "MooncakeConnector: a do_remote_decode request needs a transfer_id",
+                                   param="kv_transfer_params")
             max_tokens = 1
         if params.get("do_remote_prefill"):
             remote = await self._pull_remote(params, prompt_ids)
@@ -517,7 +582,7 @@ class SimEngine:
             raise ApiError(400, "cache_salt must be a string", param="cache_salt")
         rid = str(body.get("_request_id"))
         q = self._submit(rid, prompt_ids, max_tokens, cache_salt=salt, do_remote_decode=do_remote_decode,
-                         remote=remote)
+                         remote=remote, transfer_id=transfer_id)
         return rid, q, params
 
     async def _tokens(self, rid: str, q: asyncio.Queue):
@@ -542,7 +607,10 @@ class SimEngine:
 
     async def _generate(self, request: web.Request, body: dict, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
         body["_request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        rid, q, _ = await self._prepare(body, prompt_ids, self.default_chat_max_tokens if chat else 16)
+        rid, q, params = await self._prepare(body, prompt_ids, self.default_chat_max_tokens if chat else 16)
+        # vllm-ascend: a decode node that cannot keep a remote-prefilled request ends it with
+        # stop_reason "recomputed"; its proxy re-issues the rest (prefill + decode) elsewhere
+        recompute_at = self.faults.recompute_after_tokens if params.get("do_remote_prefill") else None
         created = int(time.time())
         model = self.config.served_model_name
         public_id = ("chatcmpl-" if chat else "cmpl-") + rid
@@ -555,14 +623,21 @@ class SimEngine:
             if not stream:
                 pieces: list[str] = []
                 last = None
+                stop_reason = None
                 async for out in self._tokens(rid, q):
+                    if recompute_at is not None and last is not None and last.num_output_tokens >= recompute_at:
+                        stop_reason = "recomputed"
+                        break
                     pieces.append(self._text(out.new_token_ids, not pieces))
                     last = out
-                finished = True
+                if stop_reason is None:
+                    finished = True
                 assert last is not None
                 text = "".join(pieces)
                 choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason,
-                                          "stop_reason": None}
+                                          "stop_reason": stop_reason}
+                if stop_reason is not None:
+                    choice["finish_reason"] = "stop"
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
                 else:
@@ -588,8 +663,15 @@ class SimEngine:
                                   "finish_reason": None}))
             first = True
             last = None
+            cut = False
             try:
                 async for out in self._tokens(rid, q):
+                    if recompute_at is not None and last is not None and last.num_output_tokens >= recompute_at:
+                        c = {"index": 0, "logprobs": None, "finish_reason": "stop", "stop_reason": "recomputed"}
+                        c.update({"delta": {"content": ""}} if chat else {"text": ""})
+                        await send(chunk(c))
+                        cut = True
+                        break
                     text = self._text(out.new_token_ids, first)
                     first = False
                     last = out
@@ -603,7 +685,7 @@ class SimEngine:
                     if out.finished and out.kv_transfer is not None:
                         payload["kv_transfer_params"] = self._kv_params_out(out)
                     await send(payload)
-                finished = True
+                finished = not cut
             except (_Killed, ApiError):  # headers are out: all a dying engine can do is hang up
                 _drop_connection(request)
                 return resp
@@ -648,6 +730,71 @@ class SimEngine:
         if not prompt_ids:
             raise ApiError(400, "the chat prompt is empty", param="messages")
         return await self._generate(request, body, prompt_ids, chat=True)
+
+
+    # -- vLLM's tokenizer endpoints and the render API (routers call these to key requests) --
+
+    def _check_model(self, body: dict) -> None:
+        if body.get("model") not in (None, self.config.served_model_name):
+            raise ApiError(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        """The ids the engine would run for a completions ``prompt`` or chat ``messages`` body."""
+        try:
+            return request_to_ids(self.tokenizer, "chat" if "messages" in body else "completions", body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages" if "messages" in body else "prompt") from None
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: ``{prompt | messages}`` -> ``{count, max_model_len, tokens}``."""
+        body = await _json_body(request)
+        self._check_model(body)
+        ids = self._prompt_ids(body)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                               "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [self.tokenizer.decode([t]) for t in ids]
+        return web.json_response(out)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``{tokens}`` -> ``{prompt}``."""
+        body = await _json_body(request)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+        if any(t < 0 or t >= self.tokenizer.vocab_size for t in tokens):
+            raise ApiError(400, f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def _render_completion(self, request: web.Request) -> web.Response:
+        """vLLM 0.33's ``POST /v1/completions/render``: a completions request -> a list of
+        ``GenerateRequest`` (``request_id``, ``token_ids``, ``sampling_params`` ...), the
+        tokens the engine would run, without running them."""
+        body = await _json_body(request)
+        self._check_model(body)
+        if body.get("use_beam_search"):
+            raise ApiError(400, "Beam search is not supported by the render endpoint")
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        rendered = []
+        base = f"cmpl-{body.get('request_id') or uuid.uuid4().hex}"
+        for i, p in enumerate(prompts):
+            ids = self._prompt_ids({"prompt": p} if "prompt_token_ids" not in body else body)
+            if not ids:
+                raise ApiError(400, "No token_ids rendered", param="prompt")
+            max_tokens = body.get("max_tokens")
+            if max_tokens is None:
+                max_tokens = max(1, self.config.max_model_len - len(ids))
+            rendered.append({
+                "request_id": base if len(prompts) == 1 else f"{base}-{i}", "token_ids": ids,
+                "features": None, "sampling_params": {
+                    "n": 1, "max_tokens": max_tokens, "temperature": body.get("temperature", 1.0),
+                    "top_p": body.get("top_p", 1.0), "seed": body.get("seed"), "stop": body.get("stop") or []},
+                "model": body.get("model") or self.config.served_model_name, "stream": bool(body.get("stream")),
+                "cache_salt": body.get("cache_salt"), "kv_transfer_params": body.get("kv_transfer_params"),
+            })
+        return web.json_response(rendered)
 
 
 def _usage(out: RequestOutput) -> dict:

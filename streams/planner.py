@@ -132,8 +132,9 @@ class PerformanceProfile(_Model):
 
         def at(ctx: float) -> float:
             itl, thpt = self._curve(ctx)
-            if itl_target < itl[0]:  # tighter than anything measured: scale the lightest point down
-                return float(thpt[0] * itl_target / itl[0])
+            # np.interp clamps: a target tighter than the lightest measured point gets that point's
+            # throughput (no extrapolation towards 0 replicas-worth of throughput), a looser one
+            # the heaviest point's
             return float(np.interp(itl_target, itl, thpt))
 
         return self._across_contexts(context, at)
@@ -143,12 +144,15 @@ class PerformanceProfile(_Model):
         (found by bisection, so the two always agree); beyond the measured range ITL grows in
         proportion to the load."""
         hi = max(p.itl_s for p in self.decode)
+        floor = self._across_contexts(context, lambda c: float(self._curve(c)[0][0]))
         top = self.decode_throughput(hi, context)
         if throughput_per_replica >= top:
             return hi * throughput_per_replica / top
-        if throughput_per_replica <= 0:
-            return 0.0
-        lo = 0.0
+        # below the lightest measured load ITL stays at the lightest point's: a decode step never
+        # gets cheaper than one step of a nearly empty batch (no extrapolation towards 0)
+        if throughput_per_replica <= self.decode_throughput(floor, context):
+            return floor
+        lo = floor
         for _ in range(60):
             mid = (lo + hi) / 2
             if self.decode_throughput(mid, context) < throughput_per_replica:
@@ -159,9 +163,23 @@ class PerformanceProfile(_Model):
 
 
 class KubernetesTarget(_Model):
-    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    """What the planner scales for one role: a Deployment's or StatefulSet's scale subresource, or
+    one role of a Kthena ``ModelServing`` (``spec.template.roles[name=role_name].replicas``)."""
+
+    kind: Literal["Deployment", "StatefulSet", "ModelServing"] = "Deployment"
     name: str = Field(min_length=1)
     namespace: str = "default"
+    role_name: str | None = Field(default=None, description="ModelServing: the role's name (default: the "
+                                                            "planner role, prefill/decode)")
+
+
+class CorrectionConfig(_Model):
+    """How far measured/expected latency may move the replica formulas, and how fast."""
+
+    min_factor: float = Field(default=0.5, gt=0, le=1)
+    max_factor: float = Field(default=3.0, ge=1)
+    smoothing: float = Field(default=0.5, gt=0, le=1, description="weight of the newest interval (geometric "
+                                                                  "mean with the previous factor); 1: no damping")
 
 
 class PoolPlanConfig(_Model):
@@ -173,6 +191,9 @@ class PoolPlanConfig(_Model):
     policy: ScalingPolicy = Field(default_factory=ScalingPolicy)
     role_policies: dict[PlanRole, ScalingPolicy] = Field(default_factory=dict)
     kubernetes: dict[PlanRole, KubernetesTarget] = Field(default_factory=dict)
+    simulator: str | None = Field(default=None, description="base URL of a simulator control API "
+                                                            "(simulator.control) to read and set engines per role")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
 
     @model_validator(mode="after")
     def _one_profile(self):
@@ -390,20 +411,30 @@ class Observation:
     attainment: float | None = None
 
 
-def correction_factors(obs: Observation, profile: PerformanceProfile, decode_replicas: int) -> tuple[float, float]:
-    """``(actual TTFT / expected TTFT, actual ITL / expected ITL)``; 1.0 where data is missing."""
-    p_corr = 1.0
-    if obs.ttft_s is not None and obs.isl > 0:
+def correction_factors(obs: Observation, profile: PerformanceProfile, decode_replicas: int,
+                       bounds: tuple[float, float] = (0.5, 3.0)) -> tuple[float | None, float | None]:
+    """``(actual TTFT / expected TTFT, actual ITL / expected ITL)`` within ``bounds``; None where
+    the interval has no data (the caller keeps its previous factor). ``decode_replicas`` is what
+    the cluster runs, never what the planner last recommended."""
+    lo, hi = bounds
+    p_corr = d_corr = None
+    if obs.ttft_s is not None and obs.isl > 0 and obs.rate > 0:
         exp = profile.expected_ttft(obs.isl)
         if exp > 0:
-            p_corr = obs.ttft_s / exp
-    d_corr = 1.0
+            p_corr = _clamp(obs.ttft_s / exp, lo, hi)
     if obs.itl_s is not None and obs.rate > 0 and decode_replicas > 0:
         per_replica = obs.rate * obs.osl / decode_replicas
         exp = profile.expected_itl(obs.isl + obs.osl / 2, per_replica)
         if exp > 0:
-            d_corr = obs.itl_s / exp
-    return _clamp(p_corr, 0.05, 20.0), _clamp(d_corr, 0.05, 20.0)
+            d_corr = _clamp(obs.itl_s / exp, lo, hi)
+    return p_corr, d_corr
+
+
+def damp(prev: float, new: float | None, weight: float) -> float:
+    """Geometric smoothing of a correction factor: ``prev^(1-w) * new^w`` (prev when no data)."""
+    if new is None:
+        return prev
+    return math.exp((1 - weight) * math.log(prev) + weight * math.log(new))
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
@@ -544,6 +575,8 @@ class PoolPlanner:
         self.scalers = {r: ReplicaScaler(cfg.policy_for(r)) for r in cfg.roles}
         self._last_isl = 0.0
         self._last_osl = 0.0
+        self.p_corr = 1.0  # damped correction factors (state of the fold, fed by observations only)
+        self.d_corr = 1.0
 
     def observe(self, obs: Observation) -> None:
         """Feed one interval to the predictors without planning (also used to warm them up)."""
@@ -564,7 +597,10 @@ class PoolPlanner:
         osl = self._pred["osl"].predict()
 
         n_decode = current.get("decode", current.get("aggregated", 0))
-        p_corr, d_corr = correction_factors(obs, self.profile, n_decode)
+        c = self.cfg.correction
+        raw_p, raw_d = correction_factors(obs, self.profile, n_decode, (c.min_factor, c.max_factor))
+        self.p_corr = p_corr = damp(self.p_corr, raw_p, c.smoothing)
+        self.d_corr = d_corr = damp(self.d_corr, raw_d, c.smoothing)
         pre = prefill_replicas(rate, isl, p_corr, self.profile)
         dec = decode_replicas(rate, isl, osl, self.targets.itl_s, d_corr, self.profile)
         raw = {"prefill": _ceil(pre), "decode": _ceil(dec), "aggregated": _ceil(pre + dec)}

@@ -31,7 +31,8 @@ def _root():
     from infernex.cli import app
 
     root = typer.main.get_command(app)
-    base = next(c for c in type(root).__mro__ if not c.__module__.startswith("typer.core"))
+    base = next(c for c in type(root).__mro__
+                if c.__module__.split(".")[0] in ("click", "typer") and not c.__module__.startswith("typer.core"))
     return root, importlib.import_module(base.__module__.rsplit(".", 1)[0])
 
 

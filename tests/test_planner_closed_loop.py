@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from consumers.planner import PlannerService
+from schemas.announce import EngineAnnouncement
+from streams.backends import AnnouncedBackends
 from consumers.sla_store import ChdbStore, SlaConfig
 from consumers import sla_queries as Q
 from streams.clock import ManualClock
@@ -57,6 +59,14 @@ def attainment(ttft: np.ndarray, itl: np.ndarray) -> float:
     return float(np.mean((ttft <= SLA.ttft_s) & (itl <= SLA.itl_s)))
 
 
+def announce(announced: AnnouncedBackends, replicas: dict[str, int], now: float) -> None:
+    """Engines up to each role's count announce themselves; the rest (scaled away) say down."""
+    for role, n in replicas.items():
+        for i in range(16):
+            announced.apply(EngineAnnouncement(pod=f"{role}-{i}", url=f"http://{role}-{i}", model="m", role=role,
+                                               pool="pool-a", ts=now, state="up" if i < n else "down"))
+
+
 @pytest.fixture
 def store(tmp_path):
     s = ChdbStore(tmp_path / "chdb", "infernex")
@@ -73,7 +83,8 @@ async def test_hints_lead_the_ramp_hold_the_sla_and_do_not_flap(store):
         pools=[PoolPlanConfig(pool="pool-a", profile=PROFILE, targets=PLAN, policy=policy)]))
     t0 = float(int(time.time()) - 4000)
     clock = ManualClock(t0)
-    planner = PlannerService(store, cfg, clock=clock)
+    announced = AnnouncedBackends(clock)  # the cluster tells the planner what runs
+    planner = PlannerService(store, cfg, clock=clock, announced=announced)
     rng = np.random.default_rng(42)
 
     shape = load_shape()
@@ -93,6 +104,7 @@ async def test_hints_lead_the_ramp_hold_the_sla_and_do_not_flap(store):
         }).encode() for i in range(n)]
         store.insert_json_each_row("request_records", rows)
         clock.advance(INTERVAL)
+        announce(announced, replicas, clock.now())
         hints = {h.role: h for h in await planner.tick()}
         measured.append(hints["decode"].inputs["attainment"])
         for role in replicas:

@@ -93,12 +93,18 @@ def test_profile_interpolation(profile):
     # halfway between the 512 and 2048 curves
     mid = profile.decode_throughput(0.025, 1280)
     assert mid == pytest.approx(0.5 * profile.decode_throughput(0.025, 512) + 0.5 * 700)
-    # tighter than measured: scaled down, never above the lightest point
-    assert profile.decode_throughput(0.0075, 512) == pytest.approx(200)
-    # expected_itl is the inverse of decode_throughput
+    # tighter than measured: clamped to the lightest point (no extrapolation towards 0)
+    assert profile.decode_throughput(0.0075, 512) == pytest.approx(400)
+    assert profile.decode_throughput(0.0001, 512) == pytest.approx(400)
+    # expected_itl is the inverse of decode_throughput within the measured curves
     for ctx in (512, 1000, 2048, 5000, 9000):
-        for itl in (0.01, 0.02, 0.03, 0.045):  # within each curve or below it (above: flat)
-            assert profile.expected_itl(ctx, profile.decode_throughput(itl, ctx)) == pytest.approx(itl, rel=1e-6)
+        floor = profile.expected_itl(ctx, 0.0)
+        assert floor >= min(p.itl_s for p in profile.decode)
+        for itl in (0.02, 0.03, 0.045):
+            if itl >= floor:
+                assert profile.expected_itl(ctx, profile.decode_throughput(itl, ctx)) == pytest.approx(itl, rel=1e-6)
+        # below the lightest measured load ITL stays at the lightest point's, never towards 0
+        assert profile.expected_itl(ctx, 1.0) == pytest.approx(floor)
     # beyond the heaviest measured point ITL grows with the load
     top = profile.decode_throughput(0.09, 512)
     assert profile.expected_itl(512, 2 * top) == pytest.approx(0.18)
@@ -125,11 +131,14 @@ def test_correction_factors(profile):
     obs = Observation(rate=10, isl=512, osl=128, ttft_s=0.12, itl_s=None)
     p, d = correction_factors(obs, profile, decode_replicas=2)
     assert p == pytest.approx(0.12 / 0.06)
-    assert d == 1.0
+    assert d is None  # no ITL data: the planner keeps its previous factor
     per_replica = 10 * 128 / 2
     exp_itl = profile.expected_itl(512 + 64, per_replica)
     _, d = correction_factors(Observation(rate=10, isl=512, osl=128, itl_s=2 * exp_itl), profile, 2)
     assert d == pytest.approx(2.0)
+    # bounded: a wild measurement moves the formulas at most by the bounds
+    p, d = correction_factors(Observation(rate=10, isl=512, osl=128, ttft_s=100.0, itl_s=1e-6), profile, 2)
+    assert (p, d) == (3.0, 0.5)
 
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, tolerance=0.1, stable_window_s=60, panic_threshold=1.5,

@@ -81,7 +81,7 @@ def test_pd_bad_params_are_clear_errors(pd):
     cons, prod = pd[2], pd[1]
     r = complete(cons.url, prompt=PROMPT, max_tokens=2, kv_transfer_params={
         "do_remote_prefill": True, "remote_engine_id": "nowhere", "remote_request_id": "x"})
-    assert r.status_code == 400 and "unknown remote engine" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "lack remote_block_ids, remote_host, remote_port" in r.json()["error"]["message"]
     params = prefill(prod.url)
     r = complete(cons.url, prompt=PROMPT[:-1], max_tokens=2, kv_transfer_params=params)
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]

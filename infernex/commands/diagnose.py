@@ -63,18 +63,22 @@ def diagnose(
     ruleset = _rules(cfg.rules_files)
 
     async def run() -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         from consumers.diagnosis import DiagnosisService
+        from consumers.health import Health, lag_check, nats_check, serve, tasks_check
         from streams.topology import build_topology
 
         registry = CollectorRegistry()
+        health = Health("diagnose", expect=("nats", "consumer_lag"))
         if cfg.metrics_port is not None:
-            start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=registry)
-            console.print(f"metrics on http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
+            await serve(health, cfg.metrics_port, host=cfg.metrics_host, registry=registry)
+            console.print(f"metrics and health on http://{cfg.metrics_host}:{cfg.metrics_port}"
+                          "/metrics, /healthz, /readyz")
         svc = DiagnosisService(settings.nats, cfg, rules=ruleset, registry=registry,
                                topology=build_topology(settings.topology, settings.nats.subject_prefix))
         await svc.start()
+        health.add("nats", nats_check(svc.nc)).add("consumer_lag", lag_check(svc.js, cfg.durable))
         console.print(f"[green]diagnosing[/green] {len(ruleset.models)} model rule sets, "
                       f"{len(ruleset.catalog.code_levels) + len(ruleset.catalog.error_codes)} Ascend codes, "
                       f"{len(ruleset.catalog.xids)} Xids; durable {cfg.durable}. Ctrl-C to stop.")
@@ -82,7 +86,8 @@ def diagnose(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        waiter = asyncio.create_task(svc.wait())
+        waiter = asyncio.create_task(svc.wait(), name="diagnosis")
+        health.add("tasks", tasks_check(lambda: [waiter]), live=True)
         stopper = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

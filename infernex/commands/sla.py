@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import time
 from typing import Optional
@@ -13,26 +12,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from infernex.commands.common import parse_duration
 from infernex.settings import Settings
 
 console = Console()
 err = Console(stderr=True)
 
 sla_app = typer.Typer(help="SLA history: report, schema migrations, row counts.", no_args_is_help=True)
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    """``90s``, ``15m``, ``1h``, ``2d``, ``1h30m`` or plain seconds."""
-    t = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", t):
-        return float(t)
-    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", t)
-    if not parts or "".join(a + b for a, b in parts) != t:
-        raise typer.BadParameter(f"{text!r} is not a duration like 90s, 15m, 1h, 2d")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
-
 
 def _settings(ctx: typer.Context) -> Settings:
     from infernex.cli import settings_of
@@ -56,12 +42,13 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def _metrics_server(port: int, registry) -> None:  # noqa: ANN001
+async def _metrics_server(port: int, registry, health) -> None:  # noqa: ANN001
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``port`` (none for 0)."""
     if port:
-        from prometheus_client import start_http_server
+        from consumers.health import serve
 
-        start_http_server(port, registry=registry)
-        err.print(f"metrics on :{port}/metrics")
+        await serve(health, port, registry=registry)
+        err.print(f"metrics and health on http://0.0.0.0:{port}/metrics, /healthz, /readyz")
 
 
 async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) -> None:
@@ -73,21 +60,32 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) 
     from streams.clock import SystemClock
     from streams.topology import build_topology
 
+    from consumers.health import Health, lag_check, nats_check, tasks_check
+
     store = _open(settings)
     registry = CollectorRegistry()
+    health = Health("sla-sink", expect=("nats", "consumer_lag"))
+    await _metrics_server(metrics_port, registry, health)
     nc = await bus.connect(settings.nats, name="infernex-sla-sink")
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    _metrics_server(metrics_port, registry)
     js = nc.jetstream()
     prefix = settings.nats.subject_prefix
     sink = SlaSink(js, store, settings.sla, topology=build_topology(settings.topology, prefix), prefix=prefix,
                    registry=registry)
-    tasks = [asyncio.create_task(sink.run(stop))]
+    tasks = [asyncio.create_task(sink.run(stop), name="sla-sink")]
     if with_planner:
+        from consumers.planner import follow_announcements
+        from streams.backends import AnnouncedBackends
+
+        announced = AnnouncedBackends(SystemClock())  # current replicas: what the engines announce
+        await follow_announcements(js, announced, prefix=prefix, registry=registry,
+                                   topology=build_topology(settings.topology, prefix))
         planner = PlannerService(store, settings.sla, clock=SystemClock(), publish=nats_publisher(js, prefix),
-                                 registry=registry, kube=_kube(settings))
-        tasks.append(asyncio.create_task(planner.run(stop)))
+                                 registry=registry, kube=_kube(settings), announced=announced)
+        tasks.append(asyncio.create_task(planner.run(stop), name="planner"))
+    health.add("nats", nats_check(nc)).add("consumer_lag", lag_check(js, settings.sla.durable_prefix))
+    health.add("tasks", tasks_check(lambda: tasks), live=True)
     err.print(f"sla-sink: {settings.sla.backend} database {settings.sla.database}; Ctrl-C to stop")
     try:
         await asyncio.gather(*tasks)
@@ -141,6 +139,8 @@ def report(
     rollup: bool = typer.Option(False, "--rollup", help="from the per-minute rollup: fast over days, "
                                 "whole minutes, t-digest percentiles, attainment as of the rollup"),
     as_json: bool = typer.Option(False, "--json"),
+    stages: bool = typer.Option(False, "--stages", help="per serving stage: prefill (PD prefill pods), decode "
+                                "(PD decode pods, KV transfer), aggregated; TTFT, TPOT and attainment each"),
 ) -> None:
     """SLA figures (TTFT/ITL/e2e percentiles, throughput, errors, prefix hits, attainment)."""
     from consumers import sla_queries
@@ -149,6 +149,14 @@ def report(
     seconds = parse_duration(since)
     now = time.time()
     store = _open(settings)
+    if stages:
+        try:
+            rows = sla_queries.sla_stages(store, now - seconds, now, targets=settings.sla.targets, pool=pool,
+                                          exact=not approx)
+        finally:
+            store.close()
+        _print_stages(rows, since, settings.sla.targets, as_json)
+        return
     try:
         t = settings.sla.targets
         if rollup and by_minute:
@@ -190,6 +198,25 @@ def report(
     if not rows:
         console.print(f"no request records in the last {since}")
         return
+    console.print(table)
+
+
+def _print_stages(rows: list[dict], since: str, t, as_json: bool) -> None:  # noqa: ANN001
+    if as_json:
+        console.print_json(json.dumps(rows))
+        return
+    if not rows:
+        console.print(f"no request records in the last {since}")
+        return
+    table = Table(title=f"SLA per stage over the last {since} (TTFT {t.ttft_s * 1000:.0f} ms, "
+                        f"TPOT vs ITL {t.itl_s * 1000:.0f} ms)")
+    for c in ("pool", "stage", "req", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "KV transfer p50/p90/p99 ms",
+              "TTFT ok %", "TPOT ok %"):
+        table.add_column(c, justify="left" if c in ("pool", "stage") else "right")
+    for r in rows:
+        table.add_row(r["pool"], r["stage"], str(r["requests"]),
+                      *("/".join(_fmt_ms(r[f"{n}_p{q}"]) for q in (50, 90, 99)) for n in ("ttft", "tpot", "kv")),
+                      f"{(r['ttft_attainment'] or 0) * 100:.1f}", f"{(r['tpot_attainment'] or 0) * 100:.1f}")
     console.print(table)
 
 
@@ -260,18 +287,31 @@ async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> No
     if not settings.sla.planner.pools:
         err.print("[red]no pools to plan: set sla.planner.pools in the settings file[/red]")
         raise typer.Exit(2)
+    from consumers.health import Health, nats_check
+
     store = _open(settings)
     registry = CollectorRegistry()
     nc = await bus.connect(settings.nats, name="infernex-planner")
     try:
+        from consumers.planner import follow_announcements
+        from streams.backends import AnnouncedBackends
+        from streams.topology import build_topology
+
+        announced = AnnouncedBackends(SystemClock())  # current replicas: what the engines announce
+        prefix = settings.nats.subject_prefix
+        await follow_announcements(nc.jetstream(), announced, prefix=prefix, registry=registry,
+                                   topology=build_topology(settings.topology, prefix))
+        if once:
+            await asyncio.sleep(1.0)  # the last announcement of every engine arrives first
         planner = PlannerService(store, settings.sla, clock=SystemClock(),
-                                 publish=nats_publisher(nc.jetstream(), settings.nats.subject_prefix),
-                                 registry=registry, kube=_kube(settings))
+                                 publish=nats_publisher(nc.jetstream(), prefix),
+                                 registry=registry, kube=_kube(settings), announced=announced)
         if once:
             for h in await planner.tick():
                 console.print(f"{h.pool}/{h.role}: {h.current} -> {h.desired} ({h.mode}) {h.reason}")
             return
-        _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry)
+        health = Health("planner").add("nats", nats_check(nc))
+        await _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry, health)
         stop = asyncio.Event()
         _stop_on_signals(stop)
         await planner.run(stop)

@@ -26,6 +26,7 @@ class Ctx:
     group: str | None = None  # decode stage: the group the prefill pod belongs to
     prompt_tokens: int = 0
     load_epoch: int | None = None  # see Router.decide: lets load-only scorer columns be reused
+    backends: Any = ()  # every backend the decision started from (filters that reason about whole PD groups)
 
 
 class Plugin:
@@ -40,6 +41,10 @@ class Plugin:
     def __init__(self, name: str, params: BaseModel):
         self.name = name
         self.params = params
+
+    def events(self) -> dict[str, int]:
+        """Counted occurrences this plugin reports (exported as ``infernex_router_plugin_events_total``)."""
+        return {}
 
 
 #: type name -> plugin class

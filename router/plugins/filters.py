@@ -118,6 +118,13 @@ class Bucket(_P):
 class BucketParams(_P):
     buckets: list[Bucket] = Field(
         default_factory=lambda: [Bucket(max_prompt_tokens=1024), Bucket(max_prompt_tokens=None)], min_length=1)
+    fallback: bool = Field(default=True, description="when none of the bucket's groups has a usable prefill and "
+                                                     "decode pod, use any group that has (counted)")
+
+
+def _usable(b: BackendState, req: RoutingRequest) -> bool:
+    """What :class:`HealthyFilter` would keep."""
+    return b.health != "critical" and not b.circuit_open and not b.draining and b.pod not in req.exclude
 
 
 def bucket_index(buckets: list[Bucket], prompt_tokens: int) -> int:
@@ -152,9 +159,35 @@ class PdBucketFilter(Filter):
             return {free[auto.index(i) % len(free)]}
         return {g for k, g in enumerate(free) if auto[k % len(auto)] == i}
 
+    def __init__(self, name, params):
+        super().__init__(name, params)
+        self.fallbacks = 0
+
+    def events(self) -> dict[str, int]:
+        return {"bucket_fallback": self.fallbacks}
+
     def apply(self, req, cands, ctx):
         if ctx.group is not None:
             return cands
         groups = sorted({b.group for b in cands if b.group is not None})
         keep = self.groups_for(ctx.prompt_tokens, groups)
-        return [b for b in cands if b.group in keep]
+        kept = [b for b in cands if b.group in keep]
+        if not self.params.fallback:
+            return kept
+        ok = self._healthy_groups(req, cands, ctx)
+        if any(b.group in ok for b in kept):
+            return kept
+        alt = [b for b in cands if b.group in ok]
+        if not alt:
+            return kept  # nothing healthy anywhere: the later filters say why
+        self.fallbacks += 1
+        return alt
+
+    @staticmethod
+    def _healthy_groups(req, cands, ctx) -> set[str]:
+        """Groups with a usable prefill candidate and a usable decode pod of the same model."""
+        pre = {b.group for b in cands if b.group is not None and _usable(b, req)}
+        model = req.model
+        dec = {b.group for b in ctx.backends if b.role == "decode" and b.group in pre and _usable(b, req)
+               and (b.model == model or model in b.loras)}
+        return dec if ctx.backends else pre

@@ -1,7 +1,8 @@
 {{/*
-A control-plane Deployment and its metrics Service.
+A control-plane Deployment and its metrics Service. The container serves /metrics, /readyz
+(NATS connected, consumer lag ...) and /healthz (its loop and tasks alive) on PORT.
 (dict "ctx" $ "component" "indexer" "name" NAME "replicas" N "image" IMG "args" LIST
-      "port" PORT "resources" RES "serviceAccount" SA "probePath" "/health" "kind" "Deployment"
+      "port" PORT "resources" RES "serviceAccount" SA "kind" "Deployment"
       "data" VOLUME-SPEC-OR-NIL)
 */}}
 {{- define "infernex.workload" -}}
@@ -73,12 +74,12 @@ spec:
               containerPort: {{ .port }}
           readinessProbe:
             httpGet:
-              path: {{ .probePath | default "/metrics" }}
+              path: /readyz
               port: http
             periodSeconds: 10
           livenessProbe:
             httpGet:
-              path: {{ .probePath | default "/metrics" }}
+              path: /healthz
               port: http
             periodSeconds: 20
             failureThreshold: 6
