@@ -103,8 +103,8 @@ def chain_keys(tokens, bs, n, seed):
 
 # ------------------------------------------------------------------------------ prefetch
 
-# LLVM 15+ has opaque pointers (llvm.prefetch.p0); older LLVM names the i8* overload
-_PREFETCH = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
+# LLVM 17+ has only opaque pointers (llvm.prefetch.p0); before, numba's typed i8* overload is p0i8
+_PREFETCH = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
 PREFETCH_AHEAD = 12  # query walk: rows requested this many blocks ahead
 
 
