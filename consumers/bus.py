@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 import base64
 import hashlib
 import logging
@@ -257,6 +258,27 @@ def make_dead_letter(stream: str, subject: str, data: bytes, reason: str, *, con
     )
 
 
+_DLQ_COUNTERS: "weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter]]" = weakref.WeakKeyDictionary()
+
+
+def _dead_letter_counters(registry: CollectorRegistry | None) -> tuple[Counter, Counter]:
+    """The DLQ counters of ``registry``, shared by every :class:`DeadLetters` of one process
+    (a sink and its planner both dead-letter; the ``consumer`` label tells them apart)."""
+    if registry is not None and registry in _DLQ_COUNTERS:
+        return _DLQ_COUNTERS[registry]
+    pair = (
+        Counter("infernex_dead_letters_total",
+                "Dead letters stored in the DLQ stream (bad input skipped), by stream and reason class",
+                ["stream", "consumer", "reason"], registry=registry),
+        Counter("infernex_dead_letter_publish_failures_total",
+                "Bad messages skipped whose dead letter could not be published, by stream",
+                ["stream", "consumer"], registry=registry),
+    )
+    if registry is not None:
+        _DLQ_COUNTERS[registry] = pair
+    return pair
+
+
 class DeadLetters:
     """Sends rejected input to ``dlq.<stream>`` with the reason, and counts what happened.
 
@@ -273,18 +295,7 @@ class DeadLetters:
         self._consumer = consumer
         self._prefix = prefix
         self._timeout = timeout_s
-        self.counter = Counter(
-            "infernex_dead_letters_total",
-            "Dead letters stored in the DLQ stream (bad input skipped), by stream and reason class",
-            ["stream", "consumer", "reason"],
-            registry=registry,
-        )
-        self.failures = Counter(
-            "infernex_dead_letter_publish_failures_total",
-            "Bad messages skipped whose dead letter could not be published, by stream",
-            ["stream", "consumer"],
-            registry=registry,
-        )
+        self.counter, self.failures = _dead_letter_counters(registry)
         self.count = 0  # letters stored
         self.failed = 0  # letters that could not be published
 
