@@ -86,8 +86,7 @@ def _content_parts(content: Any) -> list[str]:
             elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
                 texts.append(str(part["text"]))
             else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content part of type {kind!r} is not supported (only text)")
+                raise ValueError("only text content parts are supported")
         return texts
     raise ValueError("message content must be a string or a list of text parts")
 
