@@ -31,10 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-WORDS = ("the router sends each request to engine that already holds its prefix in cache block token "
-         "model prompt answer question document section table figure result method value shared "
-         "Paris Berlin capital country river mountain weather report summary, value; (note) 42 2026 "
-         "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi").split()
+WORDS = ["the", "router", "sends", "each", "request", "to", "engine", "that", "already", "holds", "its", "prefix", "in", "cache", "block", "token", "model", "prompt", "answer", "question", "document", "section", "table", "figure", "result", "method", "value", "shared", "Paris", "Berlin", "capital", "country", "river", "mountain", "weather", "report", "summary,", "value;", "(note)", "42", "2026", "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi"]
 
 
 def make_prompts(n: int, chars: int, seed: int = 1) -> list[str]:

@@ -26,7 +26,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from simulator.tokenizer import SimpleTokenizer, Tokenizer, load_tokenizer, request_to_ids
+from simulator.tokenizer import (
+    SimpleTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    request_to_ids,
+)
 
 log = logging.getLogger(__name__)
 MAX_MODELS = 64  # model names whose tokenizer is looked up and kept

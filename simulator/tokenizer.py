@@ -148,7 +148,7 @@ def simple_chat_template(messages: Sequence[Message], add_generation_prompt: boo
 
 # ---------------------------------------------------------------- jinja as transformers sets it up
 
-def _jinja_env():  # noqa: ANN202
+def _jinja_env():
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -159,18 +159,18 @@ def _jinja_env():  # noqa: ANN202
 
         tags = {"generation"}
 
-        def parse(self, parser):  # noqa: ANN001, ANN202
+        def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body, lineno=lineno)
 
-    def raise_exception(message):  # noqa: ANN001, ANN202
+    def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # noqa: ANN001, ANN202
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(fmt):  # noqa: ANN001, ANN202
+    def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])

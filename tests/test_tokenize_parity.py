@@ -22,8 +22,14 @@ import pytest
 
 from router.tokenize import PromptEncoder, find_model_tokenizer
 from simulator.hashing import BlockHasher
-from simulator.tokenizer import (HFTokenizer, RenderedChat, SimpleTokenizer, render_chat, request_to_ids,
-                                 simple_chat_template)
+from simulator.tokenizer import (
+    HFTokenizer,
+    RenderedChat,
+    SimpleTokenizer,
+    render_chat,
+    request_to_ids,
+    simple_chat_template,
+)
 
 FIX = Path(__file__).parent / "fixtures" / "tokenize"
 EXPECTED = json.loads((FIX / "expected.json").read_text(encoding="utf-8"))["cases"]
