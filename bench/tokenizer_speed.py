@@ -2,7 +2,7 @@
 (Not named ``tokenize.py``: run as a script from bench/, it would shadow the standard library's
 ``tokenize``, which ``inspect`` imports.)
 
-    PYTHONPATH=. python bench/tokenizer_speed.py [--chars 7400] [--prompts 400] [--before-ref main]
+    PYTHONPATH=. python bench/tokenizer_speed.py [--chars 7400] [--prompts 400] [--before-ref 5e5a381]
 
 Prompts are ~7.4k characters as in the router bench: one of 8 shared documents (~80% of the
 text) followed by a question of fresh random words, so each prompt shares a long prefix with
@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=7400)
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--before-ref", default="main")
+    ap.add_argument("--before-ref", default="5e5a381", help="git ref of the old tokenizer (default: the last "
+                    "commit before session 5's change)")
     args = ap.parse_args()
     from simulator.tokenizer import HFTokenizer, SimpleTokenizer, request_to_ids
 
