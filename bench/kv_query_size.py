@@ -29,10 +29,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROOT = sys.path[0]
 
-import streams.kv_index as kv_index  # noqa: E402
-from schemas.kv import BlockStored, KvEventBatch  # noqa: E402
-from streams.clock import ManualClock  # noqa: E402
-from streams.kv_index import KvIndex, block_keys, warm_up  # noqa: E402
+from schemas.kv import BlockStored, KvEventBatch
+from streams import kv_index
+from streams.clock import ManualClock
+from streams.kv_index import KvIndex, block_keys, warm_up
 
 BS, PODS, FAMILIES, FAMILY_BLOCKS, CONVS, CONV_BLOCKS = 16, 16, 32, 128, 256, 384
 

@@ -72,11 +72,12 @@ def pct(xs, p):
 
 
 async def main_async(args) -> None:
+    from prometheus_client import CollectorRegistry
+
     from consumers import bus
     from consumers.kv_bridge import BridgeConfig, KvBridge
     from consumers.metrics_collector import MetricsCollector, Target
     from infernex.embedded_nats import EmbeddedNats
-    from prometheus_client import CollectorRegistry
     from schemas import subjects as S
     from schemas.config import NatsConfig
     from simulator.cluster import EngineSpec, SimCluster
@@ -191,7 +192,7 @@ async def main_async(args) -> None:
             if not rs:
                 continue
 
-            def med(k):
+            def med(k, rs=rs):
                 return statistics.median(r[k] for r in rs)
 
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
