@@ -4,7 +4,8 @@ A publisher process sends pre-encoded vLLM ``KVEventBatch`` frames (map-encoded,
 current vLLM) on a ZMQ PUB socket as fast as it can; the bridge (this process) decodes,
 normalizes and publishes one JetStream message per batch to a file-backed stream of a
 fresh nats-server, pipelining acks. Reported: frames/s and blocks/s from the first frame
-received to the last ack, plus the CPU-only path (decode + normalize + JSON encode).
+received to the last ack, plus the CPU-only path (decode + normalize + JSON encode). The whole
+path with JSON vs binary on the bus, interleaved: bench/ingest_path.py.
 
 Usage: python bench/bridge.py [--frames 20000] [--stored 48] [--removed 48] [--block-size 16]
 """
@@ -121,7 +122,7 @@ async def end_to_end(args) -> tuple[float, float, int, float]:
         proc.join(10)
         info = await js.stream_info(stream)
         last = await js.get_last_msg(stream, subject)
-        KvEventBatch.from_json(last.data)  # what was stored is valid
+        KvEventBatch.from_bytes(last.data)  # what was stored is valid (binary by default)
         await nc.close()
         n = bridge.stats.published
         per = args.stored + args.removed

@@ -4,9 +4,9 @@ current one, on the same payloads, interleaved rounds, CPU time.
 The "before" decoder is read from git (``--before REV``, default the commit before the
 KvWire decoder landed) and loaded as a module of its own, so both run in this process on
 identical bytes. Shapes: ``0.33`` (array batch of map events, what vLLM 0.33 sends), ``0.22``
-(map batch of map events), ``array`` (all arrays, oldest vLLM and SGLang). The old decoder
-could not read ``0.33`` at all (every frame was dead-lettered); its ``0.22`` figure is the
-previous shape's cost.
+(array batch of 0.22's twelve-field array events), ``array`` (0.11's arrays; SGLang's shape).
+The old decoder could not read ``0.33`` at all (every frame was dead-lettered); its ``0.22``
+figure is the cost of a shape it could read.
 
 Usage: python bench/kv_decode.py [--frames 3000] [--rounds 7] [--stored 48] [--removed 48]
 """
@@ -78,9 +78,9 @@ def main() -> None:
         old_reads_033 = True
     except Exception:  # noqa: BLE001 - the old decoder's FrameError
         old_reads_033 = False
-    runs = {"before 0.22 (map batch)": (old, "0.22"), "before array": (old, "array"),
+    runs = {"before 0.22 (array events)": (old, "0.22"), "before array": (old, "array"),
             "now 0.33 (array batch of maps)": (FrameDecoder().decode, "0.33"),
-            "now 0.22 (map batch)": (FrameDecoder().decode, "0.22"),
+            "now 0.22 (array events)": (FrameDecoder().decode, "0.22"),
             "now array": (FrameDecoder().decode, "array")}
     got: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(a.rounds):  # interleaved: every decoder once per round
@@ -93,7 +93,7 @@ def main() -> None:
         med = statistics.median(xs)
         print(f"{name:34s} median {med:7.2f} us/frame (min {min(xs):.2f}, max {max(xs):.2f}) "
               f"= {blocks / med * 1e6 / 1e6:.2f}M blocks/s")
-    base = statistics.median(got["before 0.22 (map batch)"])
+    base = statistics.median(got["before 0.22 (array events)"])
     now = statistics.median(got["now 0.33 (array batch of maps)"])
     print(f"now on 0.33 vs before on its own shape (0.22): {base / now:.2f}x speed")
 

@@ -2,6 +2,13 @@
 concurrent clients, and the time of one routing decision.
 
     /work/venv/bin/python bench/router.py [--backends 64] [--requests 2000] [--concurrency 64]
+        [--prompt-chars 7400] [--before-ref main] [--strategies kv-aware] [--peers sglang-router]
+
+``--prompt-chars N`` sends prompts of N characters (from a pool of distinct prompts: one of 8
+shared documents, 80% of the text, then a fresh question; see bench/tokenizer_speed.py) instead
+of the short "hello bench". ``--before-ref REF`` runs the same strategies a second time from the
+code at git REF (extracted with ``git archive``), side by side in the same run. ``--peers`` names
+peer routers to create in a cache venv (bench/peers.py) when the current interpreter lacks them.
 
 Fake engines (router.testing, 64 in one process) and the router (``infernex router --no-bus``) each
 run in their own process; this process is the client. Added latency = router p50/p99 minus direct
@@ -25,6 +32,8 @@ import sys
 import time
 
 import aiohttp
+
+import importlib.util as _ilu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -97,6 +106,24 @@ async def wait_post(url, timeout=60.0):
 
 
 BODY = {"model": "m", "prompt": "hello bench", "max_tokens": 2}
+BODIES = [BODY]
+
+
+def _bench_module(name):
+    spec = _ilu.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = _ilu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def extract_ref(ref):
+    """The tree of git REF in a temporary folder (no change to the repository)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="infernex-before-")
+    arch = subprocess.run(["git", "-C", ROOT, "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", d], input=arch, check=True)
+    return d
 
 
 async def sequential(urls, n):
@@ -105,7 +132,7 @@ async def sequential(urls, n):
         for i in range(n):
             u = urls[i % len(urls)]
             t = time.perf_counter()
-            async with s.post(u + "/v1/completions", json=BODY) as r:
+            async with s.post(u + "/v1/completions", json=BODIES[i % len(BODIES)]) as r:
                 await r.read()
                 assert r.status == 200, r.status
             lat.append(time.perf_counter() - t)
@@ -120,7 +147,7 @@ async def concurrent(url, clients, total):
         nonlocal done, errors
         while done + errors < total:
             done += 1
-            async with s.post(url + "/v1/completions", json=BODY) as r:
+            async with s.post(url + "/v1/completions", json=BODIES[done % len(BODIES)]) as r:
                 await r.read()
                 if r.status != 200:
                     errors += 1
@@ -181,25 +208,37 @@ async def main_async(args):
         assert len(urls) == args.backends
         await wait_http(urls[0] + "/health")
         contenders = []
-        for strategy in ("round-robin", "kv-aware"):
-            port = free_port()
-            cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
-            for i, u in enumerate(urls):
-                cmd += ["-b", f"fake-{i}={u}@m"]
-            contenders.append((f"infernex {strategy}", cmd, port))
+        trees = [("", ROOT)]
+        if args.baseline:  # the same router from another source tree, same run
+            trees.append((" before", os.path.abspath(args.baseline)))
+        if args.before_ref:
+            trees.append((f" @{args.before_ref}", extract_ref(args.before_ref)))
+        for strategy in args.strategies.split(","):
+            for tag, tree in trees:
+                port = free_port()
+                cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
+                for i, u in enumerate(urls):
+                    cmd += ["-b", f"fake-{i}={u}@m"]
+                contenders.append((f"infernex {strategy}{tag}", cmd, port, tree))
+        peers = [p for p in args.peers.split(",") if p]
         for mod, label in (("sglang_router", "sglang-router"), ("vllm_router", "vllm-router")):
-            if importlib.util.find_spec(mod) is None:
+            py = PY if importlib.util.find_spec(mod) is not None else None
+            if py is None and label in peers:
+                py = _bench_module("peers").peer_python(label)
+            if py is None:
                 print(f"{label}: not installed (optional), skipped")
                 continue
-            for policy in ("round_robin", "cache_aware"):
+            print(f"{label} {_bench_module('peers').peer_version(py, label)} ({py})")
+            for policy in args.peer_policies.split(","):
                 port = free_port()
-                cmd = [PY, "-m", f"{mod}.launch_router", "--worker-urls", *urls, "--policy", policy,
+                cmd = [py, "-m", f"{mod}.launch_router", "--worker-urls", *urls, "--policy", policy,
                        "--port", str(port), "--prometheus-port", str(free_port()),
                        "--log-level", "warn" if mod == "sglang_router" else "warning"]
-                contenders.append((f"{label} {policy}", cmd, port))
+                contenders.append((f"{label} {policy}", cmd, port, ROOT))
         live = []
-        for label, cmd, port in contenders:
-            rp = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for label, cmd, port, tree in contenders:
+            env = dict(os.environ, PYTHONPATH=tree)
+            rp = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(rp)
             rurl = f"http://127.0.0.1:{port}"
             try:
@@ -219,7 +258,7 @@ async def main_async(args):
                 for name, u in order:
                     u = u or urls[rnd % len(urls)]
                     t = time.perf_counter()
-                    async with s.post(u + "/v1/completions", json=BODY) as r:
+                    async with s.post(u + "/v1/completions", json=BODIES[rnd % len(BODIES)]) as r:
                         await r.read()
                         assert r.status == 200, (name, r.status)
                     if rnd >= 100:  # warm-up rounds not counted
@@ -227,14 +266,20 @@ async def main_async(args):
         d50, d99 = pct(lat["direct"], 50), pct(lat["direct"], 99)
         print(f"direct: p50 {d50 * 1e3:.3f} ms  p99 {d99 * 1e3:.3f} ms  ({args.requests} sequential requests, "
               f"interleaved with the routers)")
+        rows = {label: [] for label, _, _ in live}
+        for rep in range(args.rounds):  # interleaved rounds: each router flat out in turn, medians
+            for label, rurl, pid in (live if rep % 2 == 0 else live[::-1]):
+                c0 = cpu_seconds(pid)
+                rps, errs = await concurrent(rurl, args.concurrency, args.requests)
+                rows[label].append((rps, errs, (cpu_seconds(pid) - c0) / args.requests * 1e6))
         for label, rurl, pid in live:
             r50, r99 = pct(lat[label], 50), pct(lat[label], 99)
-            c0 = cpu_seconds(pid)
-            rps, errs = await concurrent(rurl, args.concurrency, args.requests)
-            cpu_us = (cpu_seconds(pid) - c0) / args.requests * 1e6
+            runs = sorted(rows[label])
+            rps, errs, cpu_us = runs[len(runs) // 2]
+            spread = f" [{', '.join(f'{x[0]:,.0f}' for x in rows[label])}]" if args.rounds > 1 else ""
             print(f"{label:<26} p50 {r50 * 1e3:.3f} ms  p99 {r99 * 1e3:.3f} ms | added p50 "
                   f"{(r50 - d50) * 1e3:.3f} ms  p99 {(r99 - d99) * 1e3:.3f} ms | {args.concurrency} clients: "
-                  f"{rps:,.0f} req/s ({errs} errors), router CPU {cpu_us:.0f} us/req")
+                  f"{rps:,.0f} req/s{spread} ({errs} errors), router CPU {cpu_us:.0f} us/req")
         drps, _ = await concurrent(urls[0], args.concurrency, args.requests)
         print(f"direct to one backend, {args.concurrency} clients: {drps:,.0f} req/s")
     finally:
@@ -253,7 +298,20 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--prompt-chars", type=int, default=0, help="prompts of this many characters (0: short)")
+    ap.add_argument("--prompt-pool", type=int, default=4000, help="distinct prompts with --prompt-chars")
+    ap.add_argument("--strategies", default="round-robin,kv-aware")
+    ap.add_argument("--before-ref", default=None, help="also run the strategies from this git ref")
+    ap.add_argument("--peers", default="", help="peer routers to install in a cache venv, e.g. sglang-router")
+    ap.add_argument("--peer-policies", default="round_robin,cache_aware")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved throughput rounds (median)")
+    ap.add_argument("--baseline", default=None,
+                    help="source tree of an earlier version: its router runs in the same rounds ('before ...')")
     args = ap.parse_args()
+    if args.prompt_chars:
+        prompts = _bench_module("tokenizer_speed").make_prompts(args.prompt_pool, args.prompt_chars)
+        BODIES[:] = [{"model": "m", "prompt": p, "max_tokens": 2} for p in prompts]
+        print(f"prompts: {len(prompts)} distinct of {args.prompt_chars} chars")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     for name, (p50, p99, o50, o99) in decision_time(args.backends).items():
         print(f"decide {name:<12} over {args.backends} backends: with index lookup p50 {p50:.1f} us "

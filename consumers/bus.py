@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
 import ssl
 import time
@@ -28,6 +29,7 @@ from nats.js.errors import APIError, NotFoundError
 from prometheus_client import CollectorRegistry, Counter
 
 from schemas import DeadLetter
+from schemas.deadletter import MAX_DEAD_LETTER_PAYLOAD, MAX_DEAD_LETTER_REASON
 from schemas import subjects as S
 from schemas.config import NatsConfig
 from streams.topology import StreamSpec
@@ -55,23 +57,41 @@ async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
     if cfg.credentials_file is not None:
         opts["user_credentials"] = str(cfg.credentials_file)
     if cfg.tls is not None:
-        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None)
+        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None,
+                                         cadata=cfg.tls.ca_pem or None)
         if cfg.tls.cert_file:
             ctx.load_cert_chain(str(cfg.tls.cert_file), str(cfg.tls.key_file) if cfg.tls.key_file else None)
         if not cfg.tls.verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
         opts["tls"] = ctx
+        if cfg.tls.server_name:
+            opts["tls_hostname"] = cfg.tls.server_name
+
+    first: list[Exception] = []  # errors before the first connection: the reason if it never comes
 
     async def _err(e: Exception) -> None:
-        log.warning("nats: %s", e)
+        if connected:
+            log.warning("nats: %s", e)
+        else:
+            first.append(e)
+            log.debug("nats (connecting): %s", e)
 
+    connected = False
     opts["error_cb"] = _err
     try:
         # nats-py keeps retrying the first connect when reconnects are allowed; bound it.
-        return await asyncio.wait_for(nats.connect(**opts), timeout=cfg.connect_timeout_s * 2)
+        nc = await asyncio.wait_for(nats.connect(**opts), timeout=cfg.connect_timeout_s * 2)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise ConnectionError(f"cannot connect to NATS at {', '.join(cfg.servers)}: {exc}") from exc
+        from schemas.redact import redact, redact_url
+
+        reason = str(exc) or (str(first[-1]) if first else "") or type(exc).__name__
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and first:
+            reason = f"{first[-1]} (gave up after {cfg.connect_timeout_s * 2:g} s)"
+        where = ", ".join(redact_url(s) for s in cfg.servers)
+        raise ConnectionError(redact(f"cannot connect to NATS at {where}: {reason}")) from None
+    connected = True
+    return nc
 
 
 def to_stream_config(spec: StreamSpec) -> StreamConfig:
@@ -191,36 +211,106 @@ async def publish(
             delay = min(delay * 2, 2.0)
 
 
+def stream_seq_of(msg) -> int | None:  # noqa: ANN001
+    """The JetStream stream sequence of a delivered message (None for a plain NATS message)."""
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:  # noqa: BLE001 - not a JetStream delivery
+        return None
+
+
+def dead_letter_id(stream: str, subject: str, data: bytes, stream_seq: int | None = None) -> str:
+    """The ``Nats-Msg-Id`` of the dead letter for one bad message: the same for every consumer
+    that rejects that message (the DLQ stream's duplicate window keeps one), different for two
+    messages. From the original's stream sequence when known, else from its subject and bytes."""
+    if stream_seq is not None:
+        return f"dlq:{stream}:{stream_seq}"
+    h = hashlib.sha256(subject.encode() + b"\x00" + data).hexdigest()[:32]
+    return f"dlq:{stream}:{h}"
+
+
+def make_dead_letter(stream: str, subject: str, data: bytes, reason: str, *, consumer: str = "",
+                     headers: dict[str, str] | None = None, stream_seq: int | None = None,
+                     now: float | None = None) -> DeadLetter:
+    """A bounded dead letter: at most the first ``MAX_DEAD_LETTER_PAYLOAD`` bytes of the
+    original (base64), its size and sha256, the reason cut to ``MAX_DEAD_LETTER_REASON``, and
+    string headers up to 4 KiB in all; whatever the input, the letter stays well under 32 KiB."""
+    keep: dict[str, str] = {}
+    room = 4096
+    for k, v in (headers or {}).items():
+        if isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= room:
+            keep[k] = v
+            room -= len(k) + len(v)
+    reason = reason.strip() or "rejected"
+    return DeadLetter(
+        stream=stream,
+        subject=subject[:512],
+        reason=reason[:MAX_DEAD_LETTER_REASON],
+        ts=time.time() if now is None else now,
+        consumer=consumer,
+        payload=base64.b64encode(data[:MAX_DEAD_LETTER_PAYLOAD]).decode(),
+        payload_size=len(data),
+        payload_sha256=hashlib.sha256(data).hexdigest(),
+        truncated=len(data) > MAX_DEAD_LETTER_PAYLOAD,
+        stream_seq=stream_seq,
+        headers=keep,
+    )
+
+
 class DeadLetters:
-    """Sends rejected input to ``dlq.<stream>`` with the reason, and counts it."""
+    """Sends rejected input to ``dlq.<stream>`` with the reason, and counts what happened.
+
+    :meth:`send` never raises: the caller acks the bad message and moves on whatever the DLQ
+    does. ``infernex_dead_letters_total`` counts letters JetStream stored (or dropped as the
+    duplicate of a letter another consumer stored for the same message);
+    ``infernex_dead_letter_publish_failures_total`` counts letters that could not be published
+    (NATS down, no DLQ stream): the bad message is skipped all the same.
+    """
 
     def __init__(self, js: JetStreamContext, *, consumer: str, registry: CollectorRegistry | None = None,
-                 prefix: str | None = None):
+                 prefix: str | None = None, timeout_s: float = 2.0):
         self._js = js
         self._consumer = consumer
         self._prefix = prefix
+        self._timeout = timeout_s
         self.counter = Counter(
             "infernex_dead_letters_total",
-            "Messages sent to a dead-letter subject, by stream and reason class",
+            "Dead letters stored in the DLQ stream (bad input skipped), by stream and reason class",
             ["stream", "consumer", "reason"],
             registry=registry,
         )
-        self.count = 0
+        self.failures = Counter(
+            "infernex_dead_letter_publish_failures_total",
+            "Bad messages skipped whose dead letter could not be published, by stream",
+            ["stream", "consumer"],
+            registry=registry,
+        )
+        self.count = 0  # letters stored
+        self.failed = 0  # letters that could not be published
 
     async def send(self, stream: str, subject: str, data: bytes, reason: str,
-                   headers: dict[str, str] | None = None, reason_class: str = "invalid") -> None:
+                   headers: dict[str, str] | None = None, reason_class: str = "invalid",
+                   *, stream_seq: int | None = None) -> bool:
+        """Publish the dead letter; True when JetStream stored it. Never raises."""
+        try:
+            letter = make_dead_letter(stream, subject, data, reason, consumer=self._consumer, headers=headers,
+                                      stream_seq=stream_seq)
+            target = S.with_prefix(self._prefix, S.dead_letter(stream))
+            msg_id = dead_letter_id(stream, subject, data, stream_seq)
+            await asyncio.wait_for(
+                publish(self._js, target, letter.to_json(), msg_id=msg_id, retries=1, timeout=self._timeout / 2),
+                timeout=self._timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - counted; the bad message is skipped anyway
+            self.failed += 1
+            self.failures.labels(stream, self._consumer).inc()
+            log.warning("dead letter for %s not published (%s: %s); the message is skipped", subject[:200],
+                        type(exc).__name__, str(exc)[:200])
+            return False
         self.count += 1
         self.counter.labels(stream, self._consumer, reason_class).inc()
-        letter = DeadLetter(
-            stream=stream,
-            subject=subject,
-            reason=reason[:2000],
-            ts=time.time(),
-            consumer=self._consumer,
-            payload=base64.b64encode(data).decode(),
-            headers={k: v for k, v in (headers or {}).items() if isinstance(v, str)},
-        )
-        await publish(self._js, S.with_prefix(self._prefix, S.dead_letter(stream)), letter.to_json())
+        return True
 
 
 Handler = Callable[[list[Msg]], Awaitable[None]]

@@ -199,7 +199,7 @@ class DiagnosisService:
             except (ValidationFailure, ValueError) as exc:
                 self.metrics.telemetry.labels("invalid").inc()
                 await self.dlq.send(S.DEVICE_TELEMETRY, msg.subject, msg.data, str(exc),
-                                    headers=dict(msg.headers or {}))
+                                    headers=dict(msg.headers or {}), stream_seq=bus.stream_seq_of(msg))
                 await msg.ack()
                 continue
             try:
@@ -207,7 +207,8 @@ class DiagnosisService:
             except FutureSample as exc:
                 self.metrics.telemetry.labels("future").inc()
                 await self.dlq.send(S.DEVICE_TELEMETRY, msg.subject, msg.data, str(exc),
-                                    headers=dict(msg.headers or {}), reason_class="clock")
+                                    headers=dict(msg.headers or {}), reason_class="clock",
+                                    stream_seq=bus.stream_seq_of(msg))
                 await msg.ack()
                 continue
             self.metrics.telemetry.labels("ok").inc()

@@ -5,7 +5,10 @@
   and folds the queue in one ``apply_many`` when it is full or nothing else is waiting; then
   the last applied message is acked (AckPolicy.ALL), so acks always follow applies.
   Undecodable messages, and messages whose subject disagrees with their pod/model, go to
-  ``dlq.kv-events`` with the reason (counted); the consumer keeps going. A gap in the delivery
+  ``dlq.kv-events`` (a bounded letter, one per message whichever consumers reject it, see
+  :class:`consumers.bus.DeadLetters`) and are skipped; a letter that cannot be published is
+  counted and the message skipped all the same, so nothing loops. The fold holds a batch that
+  arrives ahead of its pod's predecessor for up to ``reorder_window_s``. A gap in the delivery
   sequence (a message the client dropped) or a handling error re-reads the stream from the
   last applied sequence.
 * Queries: HTTP ``POST /v1/index/query`` (plain ASGI, msgspec in and out), ``GET /v1/index/pods``,
@@ -26,591 +29,60 @@ config section, the NATS config, optionally an index and a Prometheus registry, 
 from __future__ import annotations
 
 import asyncio
-import base64
 import gc
-import hashlib
-import io
 import json
 import logging
 import os
-import signal
-import socket
-import sys
 import time
-from array import array
-from collections.abc import Awaitable, Sequence
-from typing import Annotated, Any, Literal, Protocol
+from collections.abc import Awaitable
+from typing import Any
 
-import msgpack
-import msgspec
-import numpy as np
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
 from nats.js.errors import NotFoundError
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from consumers import bus
-from schemas import KvEventBatch, ValidationFailure, decode_event
-from schemas.kv import U64, BlockStored, PodGone
-from streams.kv_core import parse_uint_arrays
+from consumers.index_api import (  # noqa: F401 - re-exported: the indexer's public API
+    IndexQuery,
+    QueryError,
+    RouteRecord,
+    Tokenizer,
+    _json_encode,
+    pods_body,
+    record_route,
+    run_query,
+    run_query_json,
+)
+from consumers.index_codec import (  # noqa: F401 - re-exported
+    RAW_PARSE_MIN_BYTES,
+    SNAPSHOT_FORMAT,
+    _fast_batch,
+    decode_batch,
+    decode_slow,
+    decode_snapshot,
+    encode_dump,
+    encode_snapshot,
+)
+from consumers.index_snapshots import (  # noqa: F401 - re-exported
+    _forked_encode,
+    fetch_snapshot_bytes,
+    read_snapshot,
+    snapshot_bucket_name,
+)
+from schemas import KvEventBatch, ValidationFailure
 from schemas import subjects as S
 from schemas.config import NatsConfig
+from consumers.indexer_config import IndexerConfig  # noqa: F401 - settings import it without the service
 from streams.clock import Clock, SystemClock
 from streams.kv_index import KvIndex, warm_up
 from streams.topology import StreamSpec, build_topology, stream_for_subject
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_FORMAT = 4
-_LITTLE = sys.byteorder == "little"
 ACK_IDLE_S = 0.05  # while messages trickle in, ack at most this often
 FLUSH_DELAY_S = 0.002  # while messages trickle in, fold them in runs at most this much later
 SNAPSHOT_CHUNK = 1 << 20  # object-store chunk bytes (nats-py's default, 128 KiB, costs 8x the messages)
-
-
-class IndexerConfig(BaseModel):
-    """The ``indexer`` settings section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    durable: str = Field(default="kv-indexer", pattern=r"^[A-Za-z0-9_-]+$",
-                         description="durable consumer name; one per indexer instance")
-    http_host: str = "127.0.0.1"
-    http_port: int | None = Field(default=8090, ge=0, le=65535, description="0 = a free port; null = no HTTP")
-    nats_query: bool = Field(default=True, description="answer kv.index.query requests")
-    snapshot_bucket: str = Field(default="kv-index-snapshots", pattern=r"^[A-Za-z0-9_-]+$")
-    snapshot_every_events: int = Field(default=20_000, ge=1)
-    snapshot_every_s: float = Field(default=30.0, gt=0)
-    snapshot_on_stop: bool = True
-    snapshot_fork: bool = Field(default=True, description="encode snapshots in a forked child (copy-on-write), "
-                                "so consumption pauses only for the fork; off or without os.fork: a thread")
-    pod_timeout_s: float | None = Field(default=None, gt=0)
-    predicted_ttl_s: float = Field(default=120.0, gt=0)
-    predict_on_route_ttl_s: float = Field(default=2.0, gt=0)
-    tier_weights: dict[str, float] = Field(default_factory=dict)
-    default_block_size: int | None = Field(default=None, gt=0,
-                                           description="block size for models without KV events (approximate mode)")
-    tokenizer: str | None = Field(default=None, description="tokenizer spec for prompt/messages queries")
-    fetch_batch: int = Field(default=512, ge=1, description="most batches folded in one apply_many call")
-    max_ack_pending: int = Field(default=8192, ge=16, description="messages the server may have unacked in flight")
-    ack_wait_s: float = Field(default=30.0, gt=0)
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-
-class QueryError(ValueError):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class IndexQuery(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1)
-    token_ids: list[int] | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    block_hashes: list[int] | None = None
-    pods: list[str] | None = None
-    lora: str | None = None
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "IndexQuery":
-        given = [n for n in ("token_ids", "prompt", "messages", "block_hashes") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of token_ids, prompt, messages, block_hashes"
-                             + (f" (got {', '.join(given)})" if given else ""))
-        return self
-
-
-def _messages_text(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    if hasattr(tokenizer, "apply_chat_template"):
-        return tokenizer.apply_chat_template(messages)
-    parts = []
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise QueryError(400, "message content must be a string")
-        parts.append(f"{m.get('role', 'user')}: {content}\n")
-    return "".join(parts)
-
-
-def run_query(index: KvIndex, body: Any, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """Answer one query body (already parsed JSON); raise :class:`QueryError` on bad input."""
-    if not isinstance(body, dict):
-        raise QueryError(400, "the query must be a JSON object")
-    try:
-        q = IndexQuery.model_validate(body)
-    except ValidationError as exc:
-        msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise QueryError(400, msg) from None
-    ids: Sequence[int] | None = q.token_ids
-    if q.block_hashes is None and ids is None:
-        if tokenizer is None:
-            raise QueryError(400, "this indexer has no tokenizer configured; send token_ids")
-        try:
-            text = q.prompt if q.prompt is not None else _messages_text(tokenizer, q.messages or [])
-            ids = tokenizer.encode(text)
-        except QueryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a tokenizer error is the caller's input problem
-            raise QueryError(400, f"cannot tokenize: {exc}") from None
-    return _answer(index, q.model, ids, q.block_hashes, q.pods, q.lora)
-
-
-class _FastQuery(msgspec.Struct, forbid_unknown_fields=True):
-    """The common query shapes (token ids or block hashes), decoded without pydantic."""
-
-    model: str
-    token_ids: list[int] | None = None
-    block_hashes: list[int] | None = None
-    pods: list[str] | None = None
-    lora: str | None = None
-
-
-_query_decoder = msgspec.json.Decoder(_FastQuery)
-_json_encode = msgspec.json.Encoder().encode
-
-
-def run_query_json(index: KvIndex, data: bytes, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """Answer one query given as JSON bytes (HTTP and NATS). ``token_ids`` / ``block_hashes``
-    queries are decoded with msgspec; anything else, and every malformed query, goes through
-    :func:`run_query` (pydantic), which names what is wrong."""
-    try:
-        q = _query_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        q = None
-    if q is None or not q.model or (q.token_ids is None) == (q.block_hashes is None):
-        try:
-            body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise QueryError(400, f"invalid JSON: {exc}") from None
-        return run_query(index, body, tokenizer)
-    return _answer(index, q.model, q.token_ids, q.block_hashes, q.pods, q.lora)
-
-
-def _answer(index: KvIndex, model: str, ids: Sequence[int] | None, hashes: list[int] | None,
-            pods: list[str] | None, lora: str | None) -> dict[str, Any]:
-    if hashes is not None:
-        if hashes and (min(hashes) < 0 or max(hashes) > U64):
-            raise QueryError(400, "block_hashes must be unsigned 64-bit integers")
-        matches = index.match_keys(model, hashes, pods)
-    else:
-        try:
-            matches = index.match_tokens(model, ids, pods, lora=lora)
-        except ValueError as exc:
-            raise QueryError(400, str(exc)) from None
-    return {
-        "block_size": index.block_size(model),
-        "pods": {
-            pod: {"matched_blocks": m.matched_blocks, "tiers": m.tiers, "score": round(m.score, 6),
-                  "predicted_blocks": m.predicted_blocks}
-            for pod, m in matches.items()
-        },
-    }
-
-
-class RouteRecord(BaseModel):
-    """``POST /v1/index/route``: a router's decision, recorded as predicted blocks."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1)
-    pod: str = Field(min_length=1)
-    token_ids: list[int] | None = None
-    block_hashes: list[int] | None = None
-    ttl_s: float | None = Field(default=None, gt=0)
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "RouteRecord":
-        if (self.token_ids is None) == (self.block_hashes is None):
-            raise ValueError("give exactly one of token_ids, block_hashes")
-        return self
-
-
-def record_route(index: KvIndex, body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise QueryError(400, "the body must be a JSON object")
-    try:
-        r = RouteRecord.model_validate(body)
-        index.record_route(r.model, r.pod, token_ids=r.token_ids, keys=r.block_hashes, ttl_s=r.ttl_s)
-    except ValidationError as exc:
-        msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise QueryError(400, msg) from None
-    except ValueError as exc:
-        raise QueryError(400, str(exc)) from None
-    return {"recorded": True, "block_size": index.block_size(r.model)}
-
-
-def pods_body(index: KvIndex) -> dict[str, Any]:
-    return {"pods": {name: {"model": p.model, "blocks": p.blocks, "total_blocks": sum(p.blocks.values()),
-                            "predicted_blocks": p.predicted_blocks, "epoch": p.epoch, "seq": p.seq,
-                            "last_event_ts": p.last_event_ts, "last_seen": p.last_seen, "live": p.live}
-                     for name, p in index.pods().items()}}
-
-
-def _le_bytes(values, typecode: str) -> bytes:
-    a = array(typecode, values)
-    if not _LITTLE:
-        a.byteswap()
-    return a.tobytes()
-
-
-def encode_snapshot(index: KvIndex, stream_seq: int, created: float) -> bytes:
-    """The index's :meth:`~streams.kv_index.KvIndex.dump` as a snapshot (see :func:`encode_dump`)."""
-    return encode_dump(index.dump(), stream_seq, created)
-
-
-def encode_dump(dump: list[KvEventBatch], stream_seq: int, created: float) -> bytes:
-    """A :meth:`~streams.kv_index.KvIndex.dump` as compact msgpack (format 4).
-
-    A batch is ``[pod, model, epoch, seq, ts, events]``; a stored event is
-    ``["k", hashes, keys, block_size, medium]`` with ``hashes`` (the engine's) and ``keys``
-    (ours, see ``BlockStored.block_keys``) packed uint64-LE; a gone pod is ``["g"]``. Packed
-    arrays keep both the snapshot and its decoding small (no Python object per block).
-    """
-    rows = []
-    for b in dump:
-        events = []
-        for e in b.events:
-            if isinstance(e, BlockStored) and e.block_keys is not None:
-                events.append(["k", _le_bytes(e.block_hashes, "Q"), _le_bytes(e.block_keys, "Q"), e.block_size,
-                               e.medium])
-            elif isinstance(e, PodGone):
-                events.append(["g"])
-            else:  # dump() only writes the two kinds above
-                raise ValueError(f"unexpected event in a dump: {e.type}")
-        rows.append([b.pod, b.model, b.epoch, b.seq, b.ts, events])
-    return msgpack.packb({"format": SNAPSHOT_FORMAT, "stream_seq": stream_seq, "created": created, "batches": rows})
-
-
-def _le_array(blob: bytes) -> array:
-    a = array("Q")
-    a.frombytes(blob)
-    if not _LITTLE:
-        a.byteswap()
-    return a
-
-
-def decode_snapshot(data: bytes) -> tuple[int, float, list[KvEventBatch]]:
-    """Inverse of :func:`encode_snapshot` (the snapshot is our own output: built without
-    re-validation). Hashes and keys come back as ``array('Q')``, which the fold reads as it
-    reads a list, without a Python int per block. Formats 2 and 3 keyed blocks with another
-    hash: they are refused (ValueError), and the service replays the stream instead."""
-    doc = msgpack.unpackb(data, strict_map_key=False)
-    if not isinstance(doc, dict) or "format" not in doc:
-        raise ValueError("not an indexer snapshot")
-    if doc["format"] != SNAPSHOT_FORMAT:
-        raise ValueError(f"snapshot format {doc['format']!r} is not {SNAPSHOT_FORMAT} (older snapshots keyed "
-                         "blocks with another hash)")
-    batches = []
-    for pod, model, epoch, seq, ts, rows in doc["batches"]:
-        events: list = []
-        for r in rows:
-            if r[0] == "k":
-                events.append(_mk_stored(
-                    type="stored", block_hashes=_le_array(r[1]), parent_block_hash=None, token_ids=[],
-                    block_size=r[3], lora_id=None, lora_name=None, medium=r[4], parent_key=None,
-                    block_keys=_le_array(r[2]), block_salts=None))
-            elif r[0] == "g":
-                events.append(PodGone())
-            else:
-                raise ValueError(f"unknown snapshot row {r[0]!r}")
-        batches.append(_mk_batch(schema_version=1, pod=pod, model=model, dp_rank=0, epoch=epoch, seq=seq, ts=ts,
-                                 events=events))
-    return int(doc["stream_seq"]), float(doc["created"]), batches
-
-
-def _forked_encode(index: KvIndex, seq: int, created: float) -> Awaitable[bytes]:
-    """Fork now; the child encodes ``index`` (as of the fork) and writes it to a pipe. Returns
-    an awaitable of the bytes (raises if the child fails). The child runs only the pure dump
-    and encoding -- no event loop, locks, sockets or logging -- and always ends in ``os._exit``."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        code = 1
-        try:
-            try:  # a signal here must not reach the parent's event loop (shared wakeup fd)
-                signal.set_wakeup_fd(-1)
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
-            except ValueError:  # forked from a thread other than the main one: nothing was set
-                pass
-            os.close(r)
-            data = encode_snapshot(index, seq, created)
-            with os.fdopen(w, "wb") as out:
-                out.write(data)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-
-    def collect() -> bytes:
-        with os.fdopen(r, "rb") as pipe:
-            data = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        if status != 0 or not data:
-            raise RuntimeError(f"the snapshot child process failed (wait status {status})")
-        return data
-
-    return asyncio.to_thread(collect)
-
-
-# --------------------------------------------------------------------------- fast decoding
-#
-# Validating a batch with pydantic costs about twice what applying it does, so the consumer
-# first decodes with msgspec into mirror structs, checks the same constraints cheaply, and builds
-# the schema objects with ``model_construct``. Anything the fast path does not accept exactly
-# (hashes given as bytes or hex, a failed check, an unknown field) goes through
-# :func:`schemas.decode_event`, which accepts it or names the offending field.
-
-from schemas.base import SCHEMA_VERSION  # noqa: E402
-from schemas.kv import AllBlocksCleared, BlockRemoved, PodReset  # noqa: E402
-
-
-
-# Scalar range checks are msgspec constraints, checked in C while decoding (but for hashes' upper
-# bound: msgspec takes no bound past int64). Token ids must be uint32 (what the fold can key), a
-# stricter rule than the schema's: a batch with larger ones takes the pydantic path and the
-# consumer applies it on its own (the fold rejects it there).
-#
-# Two mirrors of the schema: for small messages msgspec builds the hash and token lists itself
-# (cheapest below a few KB); for large ones the arrays stay raw JSON and are parsed natively in
-# one call into uint64 / uint32 numpy arrays (no Python int per token: several times cheaper
-# per value, but with a fixed cost per message).
-_Hash = Annotated[int, msgspec.Meta(ge=0)]
-_Hashes = Annotated[list[_Hash], msgspec.Meta(min_length=1)]
-_Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
-_Medium = Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
-_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-_Name = Annotated[str, msgspec.Meta(min_length=1)]
-RAW_PARSE_MIN_BYTES = 2048  # messages at least this long take the native array parse
-
-
-class _FCleared(msgspec.Struct, tag="cleared", tag_field="type", forbid_unknown_fields=True):
-    medium: _Medium | None = None
-
-
-class _FReset(msgspec.Struct, tag="reset", tag_field="type", forbid_unknown_fields=True):
-    reason: str = "engine restart"
-
-
-class _FGone(msgspec.Struct, tag="gone", tag_field="type", forbid_unknown_fields=True):
-    reason: str = "pod deleted"
-
-
-def _mirror(name: str, hashes: Any, tokens: Any) -> tuple[type, type, msgspec.json.Decoder]:
-    """(stored struct, removed struct, batch decoder) with the given array field types."""
-    opts = {"forbid_unknown_fields": True, "tag_field": "type"}
-    stored = msgspec.defstruct(f"_{name}Stored", [
-        ("block_hashes", hashes), ("token_ids", tokens), ("block_size", Annotated[int, msgspec.Meta(gt=0)]),
-        ("parent_block_hash", _Hash | None, None), ("lora_id", int | None, None), ("lora_name", str | None, None),
-        ("medium", _Medium | None, None), ("parent_key", _Hash | None, None),
-        ("block_keys", list[_Hash] | None, None), ("block_salts", list[_Hash] | None, None)],
-        tag="stored", **opts)
-    removed = msgspec.defstruct(f"_{name}Removed", [("block_hashes", hashes), ("medium", _Medium | None, None)],
-                                tag="removed", **opts)
-    batch = msgspec.defstruct(f"_{name}Batch", [
-        ("pod", _Name), ("model", _Name), ("seq", _NonNeg), ("ts", Annotated[float, msgspec.Meta(ge=0)]),
-        ("events", list[stored | removed | _FCleared | _FReset | _FGone]),
-        ("schema_version", Annotated[int, msgspec.Meta(gt=0, le=SCHEMA_VERSION)], SCHEMA_VERSION),
-        ("dp_rank", _NonNeg, 0), ("epoch", _NonNeg, 0)], forbid_unknown_fields=True)
-    return stored, removed, msgspec.json.Decoder(batch)
-
-
-_LStored, _LRemoved, _list_decoder = _mirror("List", _Hashes, list[_Token])
-_RStored, _RRemoved, _raw_decoder = _mirror("Raw", msgspec.Raw, msgspec.Raw)
-
-
-
-
-def _constructor(cls):
-    """``make(**every_field)`` -> a ``cls`` instance without validation, like ``model_construct``
-    given every field, but without its per-field default and alias handling (a third of
-    the decode time). It sets exactly the attributes ``model_construct`` sets; checked
-    against it once here, falling back to ``model_construct`` for models it does not fit."""
-    names = tuple(cls.model_fields)
-    if cls.__pydantic_post_init__ or cls.__pydantic_root_model__ or cls.model_config.get("extra") == "allow":
-        return cls.model_construct
-    new = object.__new__
-    put = object.__setattr__
-
-    def make(**values):
-        m = new(cls)
-        put(m, "__dict__", values)
-        put(m, "__pydantic_fields_set__", set(values))
-        put(m, "__pydantic_extra__", None)
-        put(m, "__pydantic_private__", None)
-        return m
-
-    probe = {n: f.get_default(call_default_factory=True) if not f.is_required() else None
-             for n, f in cls.model_fields.items()}
-    a, b = make(**probe), cls.model_construct(**probe)
-    same = (a.__dict__ == b.__dict__ and list(a.__dict__) == list(names) and a.model_fields_set == b.model_fields_set
-            and a.__pydantic_extra__ == b.__pydantic_extra__ and a.__pydantic_private__ == b.__pydantic_private__)
-    return make if same else cls.model_construct
-
-
-_mk_stored = _constructor(BlockStored)
-_mk_removed = _constructor(BlockRemoved)
-_mk_batch = _constructor(KvEventBatch)
-
-
-def _fast_batch(data: bytes) -> KvEventBatch | None:
-    """The batch, or None when only the full pydantic validation can decide."""
-    raw = len(data) >= RAW_PARSE_MIN_BYTES
-    try:
-        b = (_raw_decoder if raw else _list_decoder).decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    stored_t, removed_t = (_RStored, _RRemoved) if raw else (_LStored, _LRemoved)
-    if raw:
-        raws: list = []
-        to32 = bytearray()
-        for e in b.events:
-            t = type(e)
-            if t is stored_t:
-                raws.append(e.block_hashes)
-                raws.append(e.token_ids)
-                to32 += b"\x00\x01"
-            elif t is removed_t:
-                raws.append(e.block_hashes)
-                to32 += b"\x00"
-        if raws:
-            bad, v64, v32, counts = parse_uint_arrays(np.frombuffer(b"".join(raws), dtype=np.uint8),
-                                                      np.frombuffer(bytes(to32), dtype=np.uint8))
-            if bad >= 0:
-                return None
-            counts = counts.tolist()
-    i = o64 = o32 = 0
-    events: list = []
-    for e in b.events:
-        t = type(e)
-        if t is stored_t:
-            if raw:
-                nh, nt = counts[i], counts[i + 1]
-                i += 2
-                hashes = v64[o64:o64 + nh]
-                toks = v32[o32:o32 + nt]
-                o64 += nh
-                o32 += nt
-                if not nh:
-                    return None
-            else:
-                hashes, toks = e.block_hashes, e.token_ids
-                nh, nt = len(hashes), len(toks)
-                if max(hashes) > U64:
-                    return None
-            if e.block_keys is not None:
-                if (len(e.block_keys) != nh or nt or min(e.block_keys) == 0 or max(e.block_keys) > U64):
-                    return None
-            elif nt != nh * e.block_size:
-                return None
-            if (e.parent_block_hash or 0) > U64 or (e.parent_key or 0) > U64:
-                return None
-            salts = e.block_salts
-            if salts is not None and (len(salts) != nh or max(salts) > U64):
-                return None
-            events.append(_mk_stored(
-                type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash,
-                token_ids=toks, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
-                medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys,
-                block_salts=salts))
-        elif t is removed_t:
-            if raw:
-                nh = counts[i]
-                i += 1
-                if not nh:
-                    return None
-                hashes = v64[o64:o64 + nh]
-                o64 += nh
-            else:
-                hashes = e.block_hashes
-                if max(hashes) > U64:
-                    return None
-            events.append(_mk_removed(type="removed", block_hashes=hashes, medium=e.medium))
-        elif t is _FCleared:
-            events.append(AllBlocksCleared.model_construct(type="cleared", medium=e.medium))
-        elif t is _FReset:
-            events.append(PodReset.model_construct(type="reset", reason=e.reason))
-        else:
-            events.append(PodGone.model_construct(type="gone", reason=e.reason))
-    return _mk_batch(schema_version=b.schema_version, pod=b.pod, model=b.model, dp_rank=b.dp_rank, epoch=b.epoch,
-                     seq=b.seq, ts=b.ts, events=events)
-
-
-def decode_batch(data: bytes) -> KvEventBatch:
-    """Decode one ``kv.events`` message; raise :class:`schemas.ValidationFailure` when invalid."""
-    batch = _fast_batch(data)
-    return batch if batch is not None else decode_event(KvEventBatch, data)
-
-
-def snapshot_bucket_name(prefix: str | None, bucket: str) -> str:
-    """The object-store bucket of index snapshots under a subject prefix (bucket names have no dots)."""
-    return f"{prefix.replace('.', '_')}_{bucket}" if prefix else bucket
-
-
-async def fetch_snapshot_bytes(js, obj, bucket: str, name: str) -> bytes | None:  # noqa: ANN001
-    """A snapshot object's bytes (None when deleted or empty), digest-checked.
-
-    Chunks are read with direct gets, one request each: nats-py's ``ObjectStore.get`` reads
-    through an ordered push consumer whose flow-control replies wait for a 0.25 s poll
-    (about 1 s for 30 MB) and, without ``writeinto``, grows one bytes object chunk by chunk.
-    Buckets without direct gets fall back to ``get(writeinto=...)``.
-    """
-    info = await obj.get_info(name)
-    if info.deleted or not info.size:
-        return None
-    try:
-        stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
-        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
-        parts = []
-        seq = 0
-        for _ in range(info.chunks or 0):
-            raw = await js.get_msg(stream, seq=seq + 1, subject=subject, direct=True, next=True)
-            parts.append(raw.data or b"")
-            seq = raw.seq
-        data = b"".join(parts)
-    except Exception as exc:  # noqa: BLE001 - e.g. a bucket made without allow_direct
-        log.info("direct reads of the snapshot failed (%s); reading it through the object store", exc)
-        buf = io.BytesIO()
-        await obj.get(name, writeinto=buf)
-        return buf.getvalue()
-    want = info.digest or ""
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-    if len(data) != info.size or want.split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
-        raise ValueError(f"snapshot {bucket}/{name} is incomplete or corrupt "
-                         f"({len(data)} of {info.size} bytes, digest mismatch)")
-    return data
-
-
-async def read_snapshot(js, bucket: str, name: str) -> tuple[int, float, list[KvEventBatch]] | None:  # noqa: ANN001
-    """The newest index snapshot an indexer wrote, as ``(stream sequence, created, batches)``;
-    None when there is none. Other services (router replicas) start from it instead of
-    replaying the whole KV stream: apply the batches, then read from ``sequence + 1``."""
-    try:
-        obj = await js.object_store(bucket)
-        data = await fetch_snapshot_bytes(js, obj, bucket, name)
-    except NotFoundError:
-        return None
-    except Exception as exc:  # noqa: BLE001 - the object store says "not found" in several ways
-        if "not found" in str(exc).lower():
-            return None
-        raise
-    if not data:
-        return None
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        return decode_snapshot(data)
-    finally:
-        if gc_was_on:
-            gc.enable()
 
 
 class IndexerMetrics:
@@ -634,6 +106,9 @@ class IndexerMetrics:
                                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
                                registry=registry)
         self.snapshots = Counter("infernex_indexer_snapshots_total", "Snapshots written", registry=registry)
+        self.snapshot_failures = Counter("infernex_indexer_snapshot_failures_total",
+                                         "Snapshots abandoned (bucket unreachable, write timed out); the fold "
+                                         "goes on and the next snapshot retries", registry=registry)
         self._service = service
         if registry is not None:
             registry.register(self)
@@ -657,7 +132,7 @@ class IndexerMetrics:
 
 
 _ANOMALIES = ("unknown_parent", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",
-              "epoch_resets", "rejected")
+              "epoch_resets", "rejected", "held", "out_of_bounds", "heartbeats")
 
 
 class IndexerService:
@@ -672,7 +147,7 @@ class IndexerService:
         self.index = index if index is not None else KvIndex(
             self.clock, tier_weights=config.tier_weights or None, predicted_ttl_s=config.predicted_ttl_s,
             predict_on_route_ttl_s=config.predict_on_route_ttl_s, pod_timeout_s=config.pod_timeout_s,
-            default_block_size=config.default_block_size)
+            default_block_size=config.default_block_size, reorder_window_s=config.reorder_window_s)
         self.registry = registry
         self.tokenizer = tokenizer
         prefix = nats_config.subject_prefix
@@ -683,6 +158,8 @@ class IndexerService:
         if spec is None:
             raise ValueError(f"no stream in the topology holds {self.subject}")
         self.stream = spec.name
+        self._replicas = spec.replicas  # the snapshot bucket follows the topology's replication
+        self._storage = spec.storage
         self.bucket = snapshot_bucket_name(prefix, config.snapshot_bucket)
         self.metrics = IndexerMetrics(registry, self)
         self._query_seconds = {via: self.metrics.query.labels(via) for via in ("api", "http", "nats")}
@@ -696,6 +173,10 @@ class IndexerService:
         self._since_snapshot = 0
         self._lock = asyncio.Lock()  # applying and snapshotting exclude each other
         self._buf: list[KvEventBatch] = []
+        self._buf_seqs: list[int] = []  # the stream sequence of each queued batch
+        # (pod, epoch, seq) -> stream sequence, for batches the fold may be holding back for an
+        # earlier one: a snapshot covers the stream only up to the first of them
+        self._wait_seq: dict[tuple[str, int, int], int] = {}
         self._flush_handle: asyncio.TimerHandle | None = None
         self._taken_seq = 0  # last stream sequence decoded (applied, dead-lettered or queued)
         self._next_dseq = 1
@@ -734,11 +215,11 @@ class IndexerService:
             raise RuntimeError(f"stream {self.stream} does not exist; run `infernex streams apply` first") from None
         self._dlq = bus.DeadLetters(self._js, consumer=self.config.durable, registry=self.registry,
                                     prefix=self.prefix)
-        try:
-            self._obj = await self._js.object_store(self.bucket)
-        except (NotFoundError, Exception):  # noqa: BLE001 - missing bucket: create it
-            self._obj = await self._js.create_object_store(self.bucket)
-        start_seq = await self._restore()
+        self._obj = await self._open_bucket()
+        start_seq = await self._restore() if self._obj is not None else 1
+        if self._obj is None:
+            log.warning("snapshot bucket %s unreachable; replaying stream %s from the start", self.bucket,
+                        self.stream)
         self._taken_seq = start_seq - 1
         await self._point_consumer(start_seq)
         if self.config.nats_query:
@@ -842,7 +323,38 @@ class IndexerService:
         return seq + 1
 
     async def _fetch_snapshot(self) -> bytes | None:
-        return await fetch_snapshot_bytes(self._js, self._obj, self.bucket, self.config.durable)
+        return await asyncio.wait_for(fetch_snapshot_bytes(self._js, self._obj, self.bucket, self.config.durable),
+                                      timeout=self.config.snapshot_timeout_s)
+
+    async def _open_bucket(self):  # noqa: ANN202 - nats-py's ObjectStore
+        """The snapshot bucket, created or re-replicated to follow the topology; None when the
+        object store does not answer within ``snapshot_timeout_s`` (the service then replays
+        the stream and retries the bucket at the next snapshot)."""
+        try:
+            return await asyncio.wait_for(self._bucket(), timeout=self.config.snapshot_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an unreachable bucket must not stop the fold
+            log.warning("snapshot bucket %s unavailable: %s: %s", self.bucket, type(exc).__name__, exc)
+            return None
+
+    async def _bucket(self):  # noqa: ANN202
+        from nats.js.api import ObjectStoreConfig, StorageType
+
+        js = self._js
+        stream = f"OBJ_{self.bucket}"
+        try:
+            info = await js.stream_info(stream)
+        except NotFoundError:
+            storage = StorageType.FILE if self._storage == "file" else StorageType.MEMORY
+            return await js.create_object_store(self.bucket, config=ObjectStoreConfig(
+                bucket=self.bucket, description="KV index snapshots", replicas=self._replicas, storage=storage))
+        if info.config.num_replicas != self._replicas:
+            log.info("snapshot bucket %s: replicas %s -> %d", self.bucket, info.config.num_replicas, self._replicas)
+            cfg = info.config
+            cfg.num_replicas = self._replicas
+            await js.update_stream(cfg)
+        return await js.object_store(self.bucket)
 
     async def _point_consumer(self, start_seq: int) -> None:
         """(Re)create the durable push consumer so it delivers from ``start_seq``, and subscribe.
@@ -872,9 +384,9 @@ class IndexerService:
 
     async def snapshot(self) -> None:
         """Write a snapshot of the current state; returns once it is stored (raises if not)."""
-        await (await self._start_snapshot())
+        await (await self._start_snapshot(wait=True))
 
-    async def _start_snapshot(self) -> asyncio.Task:
+    async def _start_snapshot(self, wait: bool = False) -> asyncio.Task | None:
         """Capture the index as it is now; encode and store it in a task.
 
         Callers hold the apply lock. With ``snapshot_fork`` (where ``os.fork`` exists) a
@@ -885,8 +397,10 @@ class IndexerService:
         """
         prev = self._put_task
         if prev is not None and not prev.done():
-            await asyncio.wait({prev})  # one snapshot in flight at a time
-        seq, now = self.applied_seq, time.time()
+            if not wait:  # one snapshot in flight at a time; the fold never waits for the store
+                return None
+            await asyncio.wait({prev})
+        seq, now = self._covered_seq(), time.time()
         if self.config.snapshot_fork and hasattr(os, "fork"):
             encoded = _forked_encode(self.index, seq, now)
         else:
@@ -899,12 +413,29 @@ class IndexerService:
 
     async def _store_snapshot(self, encoded: Awaitable[bytes], seq: int, now: float) -> None:
         data = await encoded
-        await self._obj.put(self.config.durable, data,
-                            meta=ObjectMeta(name=self.config.durable, description=f"stream_seq={seq}",
-                                            options=ObjectMetaOptions(max_chunk_size=self._chunk_bytes())))
+        if self._obj is None:
+            self._obj = await self._open_bucket()
+            if self._obj is None:
+                raise RuntimeError(f"snapshot bucket {self.bucket} unreachable")
+        await asyncio.wait_for(
+            self._obj.put(self.config.durable, data,
+                          meta=ObjectMeta(name=self.config.durable, description=f"stream_seq={seq}",
+                                          options=ObjectMetaOptions(max_chunk_size=self._chunk_bytes()))),
+            timeout=self.config.snapshot_timeout_s)
         self.snapshot_seq = seq
         self.snapshot_time = now
         self.metrics.snapshots.inc()
+
+    def _covered_seq(self) -> int:
+        """The stream sequence a snapshot taken now covers: the last applied one, or just before
+        the first batch the fold still holds back (a restart re-reads and re-holds it; batches
+        applied since are then dropped as stale)."""
+        if not self.index.waiting_count:
+            self._wait_seq.clear()
+            return self.applied_seq
+        live = {k: self._wait_seq[k] for k in map(tuple, self.index.waiting()) if k in self._wait_seq}
+        self._wait_seq = live
+        return min(self.applied_seq, min(live.values(), default=self.applied_seq + 1) - 1)
 
     def _chunk_bytes(self) -> int:
         limit = getattr(self._nc, "max_payload", 0) or SNAPSHOT_CHUNK
@@ -943,13 +474,15 @@ class IndexerService:
             if reason is not None or careful:
                 self._flush()  # keep the order: everything before it first
                 if reason is not None:
-                    await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, reason, headers=dict(msg.headers or {}))
+                    await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, reason, headers=dict(msg.headers or {}),
+                                          stream_seq=sseq)
                 else:
-                    await self._apply_one(batch, msg)
+                    await self._apply_one(batch, msg, sseq)
                 self.applied_seq = sseq
                 self._since_snapshot += 1
             else:
                 self._buf.append(batch)
+                self._buf_seqs.append(sseq)
             self._taken_seq = sseq
         self._last_msg = msg
         self._unacked += 1
@@ -975,7 +508,7 @@ class IndexerService:
         if batch is None:
             careful = True
             try:
-                batch = decode_event(KvEventBatch, data)
+                batch = decode_slow(data)  # pydantic for JSON; a binary message here is invalid
             except ValidationFailure as exc:
                 return None, True, str(exc)
         names = self._subjects.get(subject)
@@ -1017,8 +550,13 @@ class IndexerService:
         buf = self._buf
         if not buf:
             return
+        seqs = self._buf_seqs
         self._buf = []
+        self._buf_seqs = []
         st = self.index.apply_many(buf)
+        if st.held:
+            for b, sseq in zip(buf, seqs):
+                self._wait_seq.setdefault((b.pod, b.epoch, b.seq), sseq)
         self.applied_seq = self._taken_seq
         self._since_snapshot += len(buf)
         self._count(st)
@@ -1028,14 +566,17 @@ class IndexerService:
             for b in buf:
                 obs(max(0.0, now - b.ts))
 
-    async def _apply_one(self, batch: KvEventBatch, msg) -> None:
+    async def _apply_one(self, batch: KvEventBatch, msg, sseq: int | None = None) -> None:
         try:
             st = self.index.apply(batch)
         except ValueError as exc:  # e.g. token ids the index cannot key (>= 2**32)
             log.warning("batch %s rejected by the index: %s", batch.msg_id, exc)
             await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, f"not indexable: {exc}",
-                                 headers=dict(msg.headers or {}), reason_class="unindexable")
+                                 headers=dict(msg.headers or {}), reason_class="unindexable",
+                                 stream_seq=sseq)
             return
+        if st.held and sseq is not None:
+            self._wait_seq.setdefault((batch.pod, batch.epoch, batch.seq), sseq)
         self._count(st)
         if not st.stale_batches:
             self.metrics.lag.observe(max(0.0, self.clock.now() - batch.ts))
@@ -1071,16 +612,19 @@ class IndexerService:
             task = await self._start_snapshot()
         except Exception as exc:  # noqa: BLE001 - keep consuming; the next snapshot retries
             log.warning("snapshot failed: %s", exc)
+            self.metrics.snapshot_failures.inc()
             self.snapshot_clock = time.monotonic()
             return
-        task.add_done_callback(self._snapshot_stored)
+        if task is not None:
+            task.add_done_callback(self._snapshot_stored)
 
     def _snapshot_stored(self, task: asyncio.Task) -> None:
         if task.cancelled():
             return
         exc = task.exception()
         if exc is not None:  # keep consuming; retried after the next event past the period
-            log.warning("snapshot failed: %s", exc)
+            log.warning("snapshot failed: %s: %s", type(exc).__name__, exc)
+            self.metrics.snapshot_failures.inc()
             self._since_snapshot += 1
 
     async def _ticker(self) -> None:
@@ -1090,10 +634,12 @@ class IndexerService:
                 await asyncio.wait_for(self._stop.wait(), timeout=min(0.25, self.config.snapshot_every_s))
             except asyncio.TimeoutError:
                 pass
-            if (self._unacked or self._snapshot_due()) and not self._halted:
+            if (self._unacked or self._snapshot_due() or self.index.waiting_count) and not self._halted:
                 async with self._lock:
                     if not self._halted:
                         self._flush()
+                        if self.index.waiting_count:
+                            self._count(self.index.release_expired())
                         await self._ack()
                         if self._snapshot_due():
                             await self._snapshot_guarded()
@@ -1112,6 +658,7 @@ class IndexerService:
             try:
                 async with self._lock:
                     self._buf = []
+                    self._buf_seqs = []
                     self._taken_seq = self.applied_seq
                     self._last_msg = None
                     self._unacked = 0
@@ -1166,84 +713,27 @@ class IndexerService:
                 "pods": len(self.index.pods()),
                 "blocks": len(self.index), "dead_letters": self._dlq.count if self._dlq else 0}
 
+    def _probes(self):
+        """``/healthz``: the loop answers; ``/readyz``: NATS connected and the durable's lag small."""
+        from consumers.health import Check, Health, lag_check, nats_check
+
+        def nats() -> Check:
+            return nats_check(self._nc)() if self._nc is not None else Check(False, {"state": "starting"})
+
+        async def lag() -> Check:
+            if self._nc is None:
+                return Check(False, {"state": "starting"})
+            return await lag_check(self._nc.jetstream(), self.config.durable)()
+
+        return Health(f"indexer {self.config.durable}").add("nats", nats).add("consumer_lag", lag)
+
     def http_app(self):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        from starlette.applications import Starlette
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse, Response
-        from starlette.routing import Route
+        """The HTTP API as an ASGI app (see :mod:`consumers.index_http`)."""
+        from consumers.index_http import build_app
 
-        async def route(request: Request):
-            try:
-                return JSONResponse(record_route(self.index, json.loads(await request.body())))
-            except json.JSONDecodeError as exc:
-                return JSONResponse({"error": f"invalid JSON: {exc}"}, status_code=400)
-            except QueryError as exc:
-                return JSONResponse({"error": str(exc)}, status_code=exc.status)
-
-        async def pods(request: Request):
-            return JSONResponse(pods_body(self.index))
-
-        async def health(request: Request):
-            return JSONResponse(self.health())
-
-        async def state(request: Request):
-            return JSONResponse({"fingerprint": self.index.fingerprint(), "applied_seq": self.applied_seq})
-
-        async def metrics(request: Request):
-            if self.registry is None:
-                return JSONResponse({"error": "no metrics registry"}, status_code=404)
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-        app = Starlette(routes=[
-            Route("/v1/index/route", route, methods=["POST"]),
-            Route("/v1/index/pods", pods, methods=["GET"]),
-            Route("/v1/index/state", state, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-        ])
-        json_type = (b"content-type", b"application/json")
-
-        async def asgi(scope, receive, send):
-            # the hot path, POST /v1/index/query, as plain ASGI: no routing, request or response
-            # objects (half the latency of a Starlette route); everything else goes to Starlette
-            if scope["type"] != "http" or scope["path"] != "/v1/index/query":
-                return await app(scope, receive, send)
-            if scope["method"] != "POST":
-                status, out = 405, b'{"error":"use POST"}'
-            else:
-                msg = await receive()
-                body = msg.get("body", b"")
-                if msg.get("more_body"):
-                    parts = [body]
-                    while msg.get("more_body"):
-                        msg = await receive()
-                        parts.append(msg.get("body", b""))
-                    body = b"".join(parts)
-                status, out = self.query_json(body, "http")
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [json_type, (b"content-length", str(len(out)).encode())]})
-            await send({"type": "http.response.body", "body": out})
-
-        return asgi
+        return build_app(self)
 
     async def _start_http(self) -> None:
-        import uvicorn
+        from consumers.index_http import serve
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # accepted connections inherit it: small responses must not wait for a delayed ACK
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self.config.http_host, self.config.http_port or 0))
-        self.http_port = sock.getsockname()[1]
-        cfg = uvicorn.Config(self.http_app(), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(cfg)
-        self._server.install_signal_handlers = lambda: None  # the owner handles signals
-        self._http_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="indexer-http")
-        for _ in range(200):
-            if self._server.started:
-                return
-            if self._http_task.done():
-                self._http_task.result()
-            await asyncio.sleep(0.02)
-        raise RuntimeError("the HTTP server did not start")
+        self._server, self._http_task, self.http_port = await serve(self)

@@ -3,7 +3,9 @@
 Pipeline: a ZMQ SUB socket receives ``(topic, seq, msgpack KVEventBatch)`` frames; each
 frame is decoded by :mod:`consumers.kv_wire` (every shape vLLM 0.11-0.33 and SGLang send;
 an event the index cannot key is skipped and counted, the rest of its batch goes on),
-normalized into the :class:`schemas.KvEventBatch` JSON and queued; a sender publishes the queue to
+normalized into a :class:`schemas.KvEventBatch` and queued (in the binary encoding of
+:mod:`schemas.kv_binary` by default: hashes and token ids as packed arrays, pod / model / epoch /
+seq and the content type in headers; ``encoding="json"`` publishes the schema's JSON instead); a sender publishes the queue to
 ``kv.events.<model>.<pod>`` with ``Nats-Msg-Id = <pod>:<epoch>:<seq>``, keeping up to
 ``max_inflight`` acks outstanding and the order of the queue.
 
@@ -30,7 +32,11 @@ Undecodable frames go to ``dlq.kv-events`` with the reason; the bridge keeps goi
 A NATS outage stalls the sender; the bounded queue then stalls the reader and the
 engine's PUB socket buffers (and, past its high-water mark, drops - which the next
 frame shows as a gap that is replayed). Publishes that fail are retried in order with
-the same message id, so nothing is stored twice.
+the same message id, so nothing is stored twice. After a broker restart the stream may still hold
+a pod's batches out of order (a batch lost in flight is re-sent after later ones the client had
+buffered); the folds put them back in order per pod (``KvIndex(reorder_window_s=...)``).
+While the engine is quiet, an empty batch at the last position is sent every ``heartbeat_s``
+(the indexer's liveness signal for ``pod_timeout_s``). Sequences past 2**63-1 are dead-lettered.
 
 One bridge serves one engine endpoint. vLLM gives every data-parallel rank its own
 endpoint and its own sequence, so a pod with several DP ranks needs one bridge per rank
@@ -64,7 +70,9 @@ from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decod
     OutReset,
     decode_frame,
 )
+from schemas import kv_binary
 from schemas import subjects as S
+from schemas.kv import MAX_EPOCH, MAX_SEQ
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +202,7 @@ class _Item:
     sent_at: float = 0.0
     state: int = 0  # 0 in flight, 1 acknowledged, 2 failed
     error: str | None = None
+    headers: dict[str, str] | None = None  # besides Nats-Msg-Id (content type, pod, model, epoch, seq)
 
 
 class _Pipe:
@@ -277,9 +286,11 @@ class OrderedPublisher:
         token = str(self._token)
         item.state, item.error, item.sent_at = 0, None, time.monotonic()
         self._inflight[token] = item
+        hdrs = {"Nats-Msg-Id": item.msg_id}
+        if item.headers:
+            hdrs.update(item.headers)
         try:
-            await self._nc.publish(item.subject, item.data, reply=f"{self._inbox}.{token}",
-                                   headers={"Nats-Msg-Id": item.msg_id})
+            await self._nc.publish(item.subject, item.data, reply=f"{self._inbox}.{token}", headers=hdrs)
         except Exception:
             self._inflight.pop(token, None)
             raise
@@ -403,10 +414,14 @@ class BridgeConfig:
     recover: bool = True  # continue from the last batch stored for this pod
     backfill: bool = True  # on a fresh start, replay what the engine still buffers
     gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
+    heartbeat_s: float = 10.0  # while the engine is quiet, re-state the last position this often (0 = never)
+    encoding: str = "binary"  # on the bus: "binary" (schemas.kv_binary) or "json" (the schema's JSON)
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
             raise ValueError(f"gap_policy must be one of {', '.join(GAP_POLICIES)}, not {self.gap_policy!r}")
+        if self.encoding not in kv_binary.ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(kv_binary.ENCODINGS)}, not {self.encoding!r}")
 
 
 @dataclass
@@ -420,6 +435,7 @@ class BridgeStats:
     restarts: int = 0
     published: int = 0
     blocks: int = 0
+    last_frame_at: float | None = None  # time.monotonic() of the last live frame (for /readyz)
 
 
 async def last_stored_position(js: JetStreamContext, stream: str, subject: str) -> tuple[int, int] | None:
@@ -429,6 +445,9 @@ async def last_stored_position(js: JetStreamContext, stream: str, subject: str) 
     except nats.js.errors.NotFoundError:
         return None
     try:
+        if kv_binary.is_binary(msg.data):
+            w = kv_binary.decode(msg.data)
+            return w.epoch, w.seq
         data = msgspec.json.decode(msg.data)
         return int(data["epoch"]), int(data["seq"])
     except Exception:  # noqa: BLE001 - an unreadable last message: start fresh
@@ -466,6 +485,9 @@ class KvBridge:
         self._dropped: set[int] = set()
         self._pod, self._model = cfg.pod, cfg.model
         self._decoder = FrameDecoder()
+        self._binary = cfg.encoding == "binary"
+        self._last_put = time.monotonic()
+        self._hb = 0
         self.ready = asyncio.Event()
 
     def _acked(self, item: _Item) -> None:
@@ -507,20 +529,57 @@ class KvBridge:
         if owed is not None:
             events = [OutReset(owed), *events]
         epoch = self.tracker.epoch
+        self._last_put = time.monotonic()
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
                          epoch, seq, norm.ts, events)
-        await self.publisher.put(_Item(self.subject, _json_enc.encode(batch), f"{self._pod}:{epoch}:{seq}", t0,
-                                       norm.blocks_stored, norm.blocks_removed))
+        data, hdrs = self._encode(batch)
+        await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0,
+                                       norm.blocks_stored, norm.blocks_removed, headers=hdrs))
+
+    def _encode(self, batch: OutBatch) -> tuple[bytes, dict[str, str]]:
+        """The message body and headers of one batch: binary, or JSON when so configured or when
+        the batch does not fit the binary layout (token ids past 32 bits)."""
+        if self._binary:
+            try:
+                data = kv_binary.encode(batch)
+            except (OverflowError, ValueError, TypeError):
+                pass
+            else:
+                return data, kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq)
+        return _json_enc.encode(batch), kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq,
+                                                          kv_binary.JSON_CONTENT_TYPE)
+
+    async def _heartbeat(self) -> None:
+        """While the engine sends nothing, publish an empty batch at the last position every
+        ``heartbeat_s``: the indexer refreshes the pod's liveness from it (and applies nothing),
+        so a pod whose bridge and engine are gone expires after ``pod_timeout_s`` while a quiet
+        one does not. Its message id is distinct (``...:hb<n>``) and it is queued behind every
+        real batch, so it never overtakes one."""
+        every = self.cfg.heartbeat_s
+        t = self.tracker
+        if not every or t.last_seq is None or time.monotonic() - self._last_put < every:
+            return
+        self._hb += 1
+        self._last_put = time.monotonic()
+        batch = OutBatch(self._pod, self._model, self.cfg.dp_rank, t.epoch, t.last_seq, time.time(), [])
+        data, hdrs = self._encode(batch)
+        await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{t.epoch}:{t.last_seq}:hb{self._hb}",
+                                       self._last_put, headers=hdrs))
 
     async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
         """Handle one live frame from the SUB socket (public for tests and benches)."""
         t0 = time.monotonic() if t0 is None else t0
+        self.stats.last_frame_at = t0
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.frames += 1
             await self._dead_letter(b"".join(frames[-1:]),
                                     f"frame has {len(frames)} parts (want topic, 8-byte seq, payload)", None)
             return
         seq = int.from_bytes(frames[1], "big")
+        if seq > MAX_SEQ:  # vLLM's seq is a signed int64: this is a corrupt frame, not a position
+            self.stats.frames += 1
+            await self._dead_letter(frames[2], f"sequence {seq} is past 2**63-1", None)
+            return
         if self._drop is not None and seq not in self._dropped and self._drop(seq):
             self._dropped.add(seq)
             return
@@ -613,6 +672,10 @@ class KvBridge:
         if not self.cfg.recover or self.stream is None:
             return
         pos = await last_stored_position(self.js, self.stream, self.subject)
+        if pos is not None and not (0 <= pos[0] <= MAX_EPOCH and 0 <= pos[1] <= MAX_SEQ):
+            log.warning("kv-bridge %s: the last stored batch has epoch %d seq %d, out of bounds; starting fresh",
+                        self._pod, *pos)
+            pos = None
         if pos is not None:
             self.tracker.epoch, self.tracker.last_seq = pos
             log.info("kv-bridge %s: continuing after epoch %d seq %d", self._pod, *pos)
@@ -633,6 +696,7 @@ class KvBridge:
                 if sender.done():
                     sender.result()  # surface a crash
                 if not await sub.poll(100):
+                    await self._heartbeat()
                     continue
                 t0 = time.monotonic()
                 for _ in range(1000):
@@ -654,8 +718,10 @@ class KvBridge:
 
 
 async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: CollectorRegistry | None = None,
-                     stop: asyncio.Event | None = None) -> BridgeStats:
-    """Connect to NATS and run one bridge until ``stop`` (CLI entry)."""
+                     stop: asyncio.Event | None = None, health=None,
+                     max_frame_age_s: float | None = None) -> BridgeStats:
+    """Connect to NATS and run one bridge until ``stop`` (CLI entry); ``health`` (a
+    :class:`consumers.health.Health`) gets its checks: NATS connected, age of the last frame."""
     from streams.topology import build_topology, stream_for_subject
 
     stop = stop or asyncio.Event()
@@ -666,6 +732,11 @@ async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: Co
         spec = stream_for_subject(topo, subject)
         bridge = KvBridge(cfg, nc, subject_prefix=nats_cfg.subject_prefix, registry=registry,
                           stream=spec.name if spec else None)
+        if health is not None:
+            from consumers.health import age_check, nats_check
+
+            health.add("nats", nats_check(nc)).add(
+                "kv_frames", age_check(lambda: bridge.stats.last_frame_at, max_age_s=max_frame_age_s))
         return await bridge.run(stop)
     finally:
         await nc.close()

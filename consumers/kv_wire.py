@@ -17,8 +17,14 @@ of its batch goes on. Only a frame whose batch cannot be read at all raises
 :class:`FrameError` (the bridge dead-letters it).
 
 Events the index cannot key are skipped and counted, never guessed: offload placeholders
-(``token_ids=[]``, ``block_size=0``), blocks of a KV-cache group other than the first
-(hybrid models: sliding-window and mamba groups hold no full prefix), and malformed ones.
+(``token_ids=[]``, ``block_size=0``), blocks of a KV-cache group that is not full attention
+(hybrid models: sliding-window and mamba groups hold no full prefix; vLLM >= 0.22 names the
+kind on stores, removals follow their group; without a kind only group 0 is indexed), stores whose
+``token_ids`` cover more blocks than ``block_hashes`` (vLLM omits the hashes of a hybrid
+model's null blocks; counted as ``null_blocks``), and malformed ones. The field order of
+array events per release (0.11: up to ``medium``; 0.22 adds ``lora_name, extra_keys,
+group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window``) and 0.33's map fields are
+pinned by ``tests/test_kv_wire_vllm_fixtures.py``.
 
 ``extra_keys`` (vLLM >= 0.11: per block, the multimodal identifiers, LoRA name, cache salt and
 prompt-embedding hashes vLLM mixes into its block hash) become one 64-bit salt per block
@@ -196,10 +202,30 @@ def _hash(v: int | bytes) -> int:
     return v & U64
 
 
-def _other_group(e: Any) -> bool:
-    """Blocks of a KV-cache group other than the first (hybrid models) carry no full prefix."""
+# KV-cache group kinds (vLLM's KVCacheSpecKind) whose blocks hold a request's whole prefix
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+def _group_skip(e: Any, groups: dict[int, bool]) -> str | None:
+    """Why an event of a KV-cache group must not be indexed, or None.
+
+    vLLM >= 0.22 tags stores with ``group_idx`` and ``kv_cache_spec_kind`` and removals with
+    ``group_idx`` only ("consumers classify groups as they are learned"): groups of a full
+    attention kind are indexed (their blocks hold the whole prefix), sliding-window, mamba
+    and other partial groups are not, and a removal follows what its group's stores taught
+    (``groups``: group -> is full). Without a kind, group 0 (or none) is indexed."""
     g = e.group_idx
-    return g is not None and g > 0
+    kind = getattr(e, "kv_cache_spec_kind", None)
+    if kind is not None and g is not None:
+        full = kind.lower() in FULL_KINDS
+        groups[g] = full
+        return None if full else "partial_kv_group"
+    if g is None or g == 0:
+        return None if groups.get(0, True) else "partial_kv_group"
+    known = groups.get(g)
+    if known is None:
+        return "other_kv_group"
+    return None if known else "partial_kv_group"
 
 
 def _salts(extra: list | None, n: int, lora_name: str | None) -> list[int] | None:
@@ -211,17 +237,23 @@ def _salts(extra: list | None, n: int, lora_name: str | None) -> list[int] | Non
     return out if any(out) else None
 
 
-def _convert(e: Any, out: list, counts: list[int]) -> None:
+def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool]) -> None:
     """Append the normalized form of one wire event (raises :class:`_Skip`)."""
     cls = type(e)
     if cls is _MStored or cls is _AStored:
-        if _other_group(e):
-            raise _Skip("other_kv_group")
+        why = _group_skip(e, groups)
+        if why is not None:
+            raise _Skip(why)
         bs = e.block_size
         if bs <= 0 or not e.token_ids:
             raise _Skip("no_tokens")  # offload placeholders: nothing to key them by
         hashes = _hashes(e.block_hashes)
-        if len(e.token_ids) != len(hashes) * bs:
+        n_tok = len(e.token_ids)
+        if n_tok != len(hashes) * bs:
+            if n_tok % bs == 0 and n_tok // bs > len(hashes):
+                # hybrid models: vLLM leaves the hashes of null (or masked) blocks out while
+                # token_ids still cover the whole range, so which tokens a hash covers is unknown
+                raise _Skip("null_blocks")
             raise _Skip("token_count")
         parent = e.parent_block_hash
         if parent is not None and not (type(parent) is int and 0 <= parent <= U64):
@@ -234,8 +266,9 @@ def _convert(e: Any, out: list, counts: list[int]) -> None:
         out.append(OutStored(hashes, parent, e.token_ids, bs, e.lora_id, e.lora_name, medium, salts))
         counts[0] += len(hashes)
     elif cls is _MRemoved or cls is _ARemoved:
-        if _other_group(e):
-            raise _Skip("other_kv_group")
+        why = _group_skip(e, groups)
+        if why is not None:
+            raise _Skip(why)
         hashes = _hashes(e.block_hashes)
         try:
             medium = normalize_medium(e.medium)
@@ -259,10 +292,11 @@ class FrameDecoder:
     """Decodes payloads; remembers the event shape of the last good batch (engines do not
     change it) so the common frame takes exactly one typed decode."""
 
-    __slots__ = ("map_events",)
+    __slots__ = ("map_events", "groups")
 
     def __init__(self) -> None:
         self.map_events = True  # current vLLM
+        self.groups: dict[int, bool] = {}  # KV-cache group -> holds full prefixes (learned from stores)
 
     def decode(self, payload: bytes) -> Normalized:
         if not payload:
@@ -281,11 +315,12 @@ class FrameDecoder:
         skipped: dict[str, int] = {}
         out: list[Any] = []
         counts = [0, 0]
+        groups = self.groups
         if batch is not None:
             events = batch.events
             for e in events:
                 try:
-                    _convert(e, out, counts)
+                    _convert(e, out, counts, groups)
                 except _Skip as s:
                     skipped[str(s)] = skipped.get(str(s), 0) + 1
         else:  # some event does not fit: read the batch with raw events, then each event alone
@@ -300,7 +335,7 @@ class FrameDecoder:
                     continue
                 try:
                     e = _EVENT[not _is_array(buf[0])].decode(buf)
-                    _convert(e, out, counts)
+                    _convert(e, out, counts, groups)
                 except msgspec.DecodeError:
                     skipped["undecodable_event"] = skipped.get("undecodable_event", 0) + 1
                 except _Skip as s:
@@ -318,7 +353,11 @@ _default = FrameDecoder()
 
 
 def decode_frame(payload: bytes) -> Normalized:
-    """One ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if unreadable."""
+    """One ``KVEventBatch`` payload -> normalized events; :class:`FrameError` if unreadable.
+
+    Stateless about KV-cache groups (what one engine's stores taught never judges another
+    engine's removals): a consumer of one engine's stream keeps its own :class:`FrameDecoder`."""
+    _default.groups.clear()
     return _default.decode(payload)
 
 

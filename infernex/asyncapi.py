@@ -36,7 +36,34 @@ def build_document() -> dict:
         description="Subjects and payloads of the InferNex control plane on NATS JetStream.",
         schema_version="3.0.0",
     ).to_specification()
-    return json.loads(spec.to_json())
+    return _add_kv_binary(json.loads(spec.to_json()))
+
+
+def _add_kv_binary(doc: dict) -> dict:
+    """``kv.events`` carries the batch as JSON or in the binary encoding of
+    :mod:`schemas.kv_binary`: the channel lists both messages, each with its content type and
+    the headers the bridge sets."""
+    from schemas import kv_binary
+
+    template = CHANNELS["kv.events"][1]
+    ch_name = f"{template}:Publish"
+    channel = doc["channels"][ch_name]
+    json_name = f"{ch_name}:Message"
+    bin_name = f"{ch_name}:BinaryMessage"
+    esc = ch_name.replace("{", "%7B").replace("}", "%7D")
+    doc["components"]["messages"][json_name]["contentType"] = kv_binary.JSON_CONTENT_TYPE
+    doc["components"]["messages"][bin_name] = {
+        "title": bin_name,
+        "contentType": kv_binary.CONTENT_TYPE,
+        "headers": kv_binary.HEADERS_SCHEMA,
+        "payload": {"$ref": "#/components/schemas/KvEventBatchBinary"},
+    }
+    doc["components"]["schemas"]["KvEventBatchBinary"] = kv_binary.PAYLOAD_SCHEMA
+    channel["messages"]["BinaryMessage"] = {"$ref": f"#/components/messages/{bin_name.replace('{', '%7B').replace('}', '%7D')}"}
+    channel["description"] += (f". Payload: the KvEventBatch JSON ({kv_binary.JSON_CONTENT_TYPE}) or its binary "
+                               f"encoding ({kv_binary.CONTENT_TYPE}, schemas/kv_binary.py); consumers accept both")
+    doc["operations"][ch_name]["messages"].append({"$ref": f"#/channels/{esc}/messages/BinaryMessage"})
+    return doc
 
 
 def render() -> str:

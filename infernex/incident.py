@@ -26,6 +26,7 @@ from typing import Any
 
 from consumers.indexer import decode_batch
 from consumers.replay import ReplayMsg
+from consumers.replay_scope import PodMeta, Scope
 from router.config import RouterConfig
 from router.core import Router
 from router.state import ClusterState
@@ -70,6 +71,9 @@ class TimelineEntry:
     kind: str  # diagnosis | resolution | engine-reset | cache-cleared | kv-gap | routing-anomaly | sla-breach | error | hint | dead-letter
     subject: str
     text: str
+    # what the entry is about, for scoping (--pool/--role/--model): pods, and a device (node, device)
+    pods: tuple[str, ...] = field(default=(), compare=False)
+    device: tuple[str, str] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -85,8 +89,13 @@ class ReplayState:
 
     pool: str | None = None
     targets: SlaTargets = field(default_factory=SlaTargets)
+    scope: Scope | None = None  # --pool/--role/--model; ``pool`` alone is Scope(pool=pool)
 
     def __post_init__(self) -> None:
+        if self.scope is None:
+            self.scope = Scope(pool=self.pool)
+        elif self.pool is None:
+            self.pool = self.scope.pool
         self.clock = ManualClock(0.0)
         self._index = KvIndex(self.clock)
         # KV batches waiting to be folded, and each one's clock value (``last_seen``): the index
@@ -97,10 +106,14 @@ class ReplayState:
         self.cluster = ClusterState(RouterConfig(pool=self.pool or "default", bus=False), clock=self.clock)
         self.health = HealthState(self.clock)
         self.timeline: list[TimelineEntry] = []
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # every message read, by kind (whatever the scope)
+        self.scoped_counts: Counter[str] = Counter()  # records, decisions, hints, dead letters in scope
+        self.pod_counts: dict[str, Counter[str]] = {}  # pod -> messages about it (KV, metrics, announcements)
+        self.device_counts: dict[tuple[str, str], Counter[str]] = {}  # (node, device) -> telemetry, diagnoses
+        self.pod_meta: dict[str, PodMeta] = {}  # from announcements: what scopes a pod
         self.undecodable: list[tuple[str, str]] = []
         self.records: list[RequestRecord] = []
-        self.decisions: dict[str, RoutingDecision] = {}
+        self.decisions: dict[str, list[RoutingDecision]] = {}  # request id -> its records, in order
         self._kv_pos: dict[str, tuple[int, int]] = {}
         self._models: dict[str, type] = {}
         self.first_ts: float | None = None
@@ -129,29 +142,72 @@ class ReplayState:
         Same as :meth:`apply` one by one; KV batches (most of the history) take a shorter path."""
         ap, kv, advance = self.apply, self._kv, self._advance
         models = self._models
-        n_kv = 0
-        try:
-            for m in msgs:
-                if models.get(m.subject) is not KvEventBatch:
-                    ap(m)
-                    continue
-                advance(m.ts)
-                try:
-                    batch = decode_batch(m.data)
-                except (ValueError, ValidationFailure) as exc:
-                    self._undecodable(m, exc)
-                    continue
-                n_kv += 1
-                kv(m, batch)
-        finally:
-            if n_kv:
-                self.counts["KvEventBatch"] += n_kv
+        for m in msgs:
+            if models.get(m.subject) is not KvEventBatch:
+                ap(m)
+                continue
+            advance(m.ts)
+            try:
+                batch = decode_batch(m.data)
+            except (ValueError, ValidationFailure) as exc:
+                self._undecodable(m, exc)
+                continue
+            kv(m, batch)
 
     def _model(self, subject: str) -> type:
         model = self._models.get(subject)
         if model is None:
             model = self._models[subject] = model_for_subject(subject)  # ValueError if not ours
         return model
+
+    def _pod_count(self, pod: str, kind: str) -> None:
+        c = self.pod_counts.get(pod)
+        if c is None:
+            c = self.pod_counts[pod] = Counter()
+        c[kind] += 1
+
+    def _device_count(self, node: str, device: str, kind: str) -> None:
+        c = self.device_counts.get((node, device))
+        if c is None:
+            c = self.device_counts[(node, device)] = Counter()
+        c[kind] += 1
+
+    # ------------------------------------------------------------------------- scoping
+    def pod_in_scope(self, pod: str) -> bool:
+        return self.scope.keep_pod(self.pod_meta.get(pod))
+
+    def device_in_scope(self, node: str, device: str, pods=()) -> bool:
+        return self.scope.keep_device(node, device, pods, self.pod_meta)
+
+    def visible_counts(self) -> Counter[str]:
+        """Messages by kind within the scope (pods and devices judged by their announcements)."""
+        out = Counter(self.scoped_counts)
+        for k in ("undecodable", "rejected"):
+            if self.counts.get(k):
+                out[k] = self.counts[k]
+        for pod, c in self.pod_counts.items():
+            if self.pod_in_scope(pod):
+                out.update(c)
+        for (node, dev), c in self.device_counts.items():
+            if self.device_in_scope(node, dev):
+                out.update(c)
+        return out
+
+    def visible_timeline(self) -> list[TimelineEntry]:
+        """The timeline within the scope, in order."""
+        if not self.scope.narrowed:
+            return sorted(self.timeline)
+        out = []
+        for e in self.timeline:
+            if e.device is not None:
+                if self.device_in_scope(e.device[0], e.device[1], e.pods):
+                    out.append(e)
+            elif e.pods:
+                if any(self.pod_in_scope(p) for p in e.pods):
+                    out.append(e)
+            else:
+                out.append(e)  # already scoped when recorded (requests, hints), or not attributable
+        return sorted(out)
 
     def _undecodable(self, msg: ReplayMsg, exc: Exception) -> None:
         self.counts["undecodable"] += 1
@@ -176,15 +232,22 @@ class ReplayState:
         except (ValueError, ValidationFailure) as exc:
             self._undecodable(msg, exc)
             return
-        self.counts[model.__name__] += 1
         if model is KvEventBatch:
             self._kv(msg, event)
-        elif isinstance(event, EngineMetrics):
+            return
+        name = model.__name__
+        self.counts[name] += 1
+        scope = self.scope
+        if isinstance(event, EngineMetrics):
+            self._pod_count(event.pod, name)
             self.cluster.apply_metrics(event)
             self.health.apply_load(event)
         elif isinstance(event, DeviceTelemetry):
+            self._device_count(event.node, event.device, name)
             self.health.apply(event)
+            self.cluster.apply_device(event)  # utilisation and memory: the health score's cpu/mem terms
         elif isinstance(event, Diagnosis):
+            self._device_count(event.node, event.device, name)
             self.cluster.apply_diagnosis(event)
             self.health.apply_diagnosis(event)
             kind = "resolution" if event.status == "resolved" else "diagnosis"
@@ -192,19 +255,29 @@ class ReplayState:
                 pods = f" (pods {', '.join(event.pods)})" if event.pods else ""
                 self.timeline.append(TimelineEntry(msg.ts, kind, msg.subject,
                                                    f"{event.severity} {event.fault_mode} on {event.node}/{event.device}"
-                                                   f"{pods}: {event.summary}; action {event.action}"))
+                                                   f"{pods}: {event.summary}; action {event.action}",
+                                                   tuple(event.pods), (event.node, event.device)))
         elif isinstance(event, EngineAnnouncement):
+            self._pod_count(event.pod, name)
+            self.pod_meta[event.pod] = PodMeta(event.pool, event.model, event.role, event.node, tuple(event.devices))
             self.cluster.apply_announcement(event)
         elif isinstance(event, RequestRecord):
-            self._record(msg, event)
+            if scope.keep_record(event):
+                self.scoped_counts[name] += 1
+                self._record(msg, event)
         elif isinstance(event, RoutingDecision):
-            self.decisions[event.request_id] = event
+            if scope.keep_decision(event):
+                self.scoped_counts[name] += 1
+                self.decisions.setdefault(event.request_id, []).append(event)
         elif isinstance(event, ScalingHint):
-            if event.desired != event.current:
-                self.timeline.append(TimelineEntry(msg.ts, "hint", msg.subject,
-                                                   f"{event.pool}/{event.role}: {event.current} -> {event.desired} "
-                                                   f"replicas ({event.reason})"))
+            if scope.keep_hint(event):
+                self.scoped_counts[name] += 1
+                if event.desired != event.current:
+                    self.timeline.append(TimelineEntry(msg.ts, "hint", msg.subject,
+                                                       f"{event.pool}/{event.role}: {event.current} -> "
+                                                       f"{event.desired} replicas ({event.reason})"))
         elif isinstance(event, DeadLetter):
+            self.scoped_counts[name] += 1  # not attributable to a pool: always shown
             self.timeline.append(TimelineEntry(msg.ts, "dead-letter", msg.subject,
                                                f"{event.stream}: {event.reason[:160]}"))
 
@@ -217,6 +290,8 @@ class ReplayState:
             "last_seen": {name: p.last_seen for name, p in self.index.pods().items()},
             "timeline": list(self.timeline),
             "counts": dict(self.counts),
+            "scoped_counts": dict(self.scoped_counts),
+            "pod_counts": {p: dict(c) for p, c in self.pod_counts.items()},
             "undecodable": list(self.undecodable),
             "kv_pos": dict(self._kv_pos),
             "first_ts": self.first_ts,
@@ -237,6 +312,9 @@ class ReplayState:
                 restore.append((seen.get(b.pod) or 0.0, b.pod, b))
             self.timeline.extend(part["timeline"])
             self.counts.update(part["counts"])
+            self.scoped_counts.update(part.get("scoped_counts", {}))
+            for p, c in part.get("pod_counts", {}).items():
+                self.pod_counts.setdefault(p, Counter()).update(c)
             self.undecodable.extend(part["undecodable"])
             self._kv_pos.update(part["kv_pos"])
             for ts in (part["first_ts"], part["last_ts"]):
@@ -252,10 +330,16 @@ class ReplayState:
 
     def _kv(self, msg: ReplayMsg, batch: KvEventBatch) -> None:
         pod = batch.pod
+        c = self.pod_counts.get(pod)
+        if c is None:
+            c = self.pod_counts[pod] = Counter()
+        c["KvEventBatch"] += 1
+        self.counts["KvEventBatch"] += 1
+        pods = (pod,)
         prev = self._kv_pos.get(pod)
         if prev is not None and batch.epoch == prev[0] and batch.seq > prev[1] + 1:
             self.timeline.append(TimelineEntry(msg.ts, "kv-gap", msg.subject,
-                                               f"{pod}: KV events {prev[1] + 1}..{batch.seq - 1} missing"))
+                                               f"{pod}: KV events {prev[1] + 1}..{batch.seq - 1} missing", pods))
         careful = False
         for ev in batch.events:
             t = ev.type
@@ -269,12 +353,12 @@ class ReplayState:
                 pass
             elif t == "reset":
                 self.timeline.append(TimelineEntry(msg.ts, "engine-reset", msg.subject,
-                                                   f"{pod}: {ev.reason} (epoch {batch.epoch})"))
+                                                   f"{pod}: {ev.reason} (epoch {batch.epoch})", pods))
             elif t == "cleared":
                 self.timeline.append(TimelineEntry(msg.ts, "cache-cleared", msg.subject,
-                                                   f"{pod}: all KV blocks cleared"))
+                                                   f"{pod}: all KV blocks cleared", pods))
             elif t == "gone":
-                self.timeline.append(TimelineEntry(msg.ts, "engine-reset", msg.subject, f"{pod}: {ev.reason}"))
+                self.timeline.append(TimelineEntry(msg.ts, "engine-reset", msg.subject, f"{pod}: {ev.reason}", pods))
         self._kv_pos[pod] = (batch.epoch, batch.seq)
         if careful:
             self.flush()
@@ -315,19 +399,23 @@ class ReplayState:
     def state(self) -> dict[str, Any]:
         pods = {}
         for name, info in sorted(self.index.pods().items()):
+            if not self.pod_in_scope(name):
+                continue
             pods[name] = {"kv": {k: v for k, v in vars(info).items() if not k.startswith("_")}}
         for b in self.cluster.snapshot():
+            if not self.pod_in_scope(b.pod):
+                continue
             p = pods.setdefault(b.pod, {})
             p.update({"role": b.role, "group": b.group, "url": b.url, "waiting": b.waiting, "running": b.running,
                       "kv_usage": b.kv_usage, "health": b.health})
         open_findings = [
             {"node": d.node, "device": d.device, "fault_mode": d.fault_mode, "severity": d.severity,
              "action": d.action, "since": iso(d.first_seen), "pods": d.pods}
-            for d in self.cluster.health.open_findings()
+            for d in self.cluster.health.open_findings() if self.device_in_scope(d.node, d.device, d.pods)
         ]
         return {
             "at": iso(self.last_ts) if self.last_ts else None,
-            "messages": dict(sorted(self.counts.items())),
+            "messages": dict(sorted(self.visible_counts().items())),
             "pods": pods,
             "open_findings": sorted(open_findings, key=lambda f: (f["node"], f["device"], f["fault_mode"])),
         }
@@ -349,6 +437,36 @@ class ReplayState:
         return out
 
 
+def explain_request(history: ReplayState, stages: list[RoutingDecision], *,
+                    other: str | None = None) -> dict[str, Any]:
+    """:func:`consumers.redecide.explain` for one recorded attempt, with what the history rebuilt
+    up to the decision's instant says: each backend's bus-fed inputs (load, device utilisation,
+    health), the prompt's prefix in the KV index per pod, and the findings in force on them."""
+    from consumers.redecide import explain
+
+    inputs = stages[0].inputs
+    pods = [b.pod for b in inputs.backends] if inputs is not None else []
+    hist = {}
+    for b in history.cluster.snapshot():
+        hist[b.pod] = {"waiting": b.waiting, "running": b.running, "kv_usage": b.kv_usage,
+                       "num_gpu_blocks": b.num_gpu_blocks, "cpu_util": b.cpu_util, "mem_util": b.mem_util,
+                       "health": b.health}
+    findings = []
+    for pod in pods:
+        for d in history.cluster.health.findings_for(pod):
+            findings.append({"pod": pod, "node": d.node, "device": d.device, "fault_mode": d.fault_mode,
+                             "severity": d.severity, "action": d.action, "since": iso(d.first_seen),
+                             "summary": d.summary})
+    index_blocks = None
+    if inputs is not None and inputs.prefix_keys:
+        model = inputs.index_model or stages[0].model
+        got = history.index.match_keys(model, inputs.prefix_keys, pods)
+        index_blocks = {p: int(m.matched_blocks) - int(m.predicted_blocks) for p, m in got.items()}
+    out = explain(stages, other=other, history=hist, findings=findings, index_blocks=index_blocks)
+    out["at_iso"] = iso(stages[0].ts)
+    return out
+
+
 def warm_up() -> None:
     """Load the KV index's compiled kernels (the decoder's and the fold's) in this process:
     the first fold of a process otherwise pays for it (about half a CPU second)."""
@@ -364,17 +482,23 @@ def warm_up() -> None:
 def report_markdown(st: ReplayState, start: float | None, end: float | None) -> str:
     lines = ["# InferNex incident report", ""]
     lines.append(f"Window: {iso(start) if start else 'beginning'} .. {iso(end) if end else 'end'}  ")
+    sc = st.scope
+    if sc.narrowed:
+        lines.append("Scope: " + ", ".join(f"{k} {v}" for k, v in (("pool", sc.pool), ("role", sc.role),
+                                                                     ("model", sc.model)) if v) + "  ")
+    counts = st.visible_counts()
+    timeline = st.visible_timeline()
     if st.first_ts is not None:
-        lines.append(f"Messages: {sum(st.counts.values())} from {iso(st.first_ts)} to {iso(st.last_ts)}")
+        lines.append(f"Messages: {sum(counts.values())} from {iso(st.first_ts)} to {iso(st.last_ts)}")
     lines += ["", "## Counts", "", "| kind | messages |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in sorted(st.counts.items())]
-    kinds = Counter(e.kind for e in st.timeline)
+    lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())]
+    kinds = Counter(e.kind for e in timeline)
     lines += ["", "## Summary", ""]
     for k in ("diagnosis", "resolution", "engine-reset", "cache-cleared", "kv-gap", "routing-anomaly", "sla-breach",
               "error", "hint", "dead-letter"):
         lines.append(f"- {k}: {kinds.get(k, 0)}")
     firsts = {}
-    for e in sorted(st.timeline):
+    for e in timeline:
         firsts.setdefault(e.kind, e)
     if firsts:
         first = min(firsts.values())
@@ -389,12 +513,41 @@ def report_markdown(st: ReplayState, start: float | None, end: float | None) -> 
         by_pod = Counter(p for r in st.records for p in r.pods[:1])
         lines.append("Requests by first pod: " + ", ".join(f"{k} {v}" for k, v in sorted(by_pod.items())))
     lines += ["", "## Timeline", "", "| time | kind | what |", "|---|---|---|"]
-    for e in sorted(st.timeline):
+    for e in timeline:
         lines.append(f"| {iso(e.ts)} | {e.kind} | {e.text.replace('|', '/')} |")
+    explain = _worth_explaining(st)
+    if explain:
+        lines += ["", "## Routing decisions to look at", "",
+                  "Each line: why, and the command that shows every candidate's scores, the best alternative, "
+                  "the prompt's cached prefix per pod, the findings in force and what another profile would "
+                  "have done.", ""]
+        lines += [f"- {why}: `infernex replay explain {rid}`" for rid, why in explain]
     st_now = st.state()
     lines += ["", "## State at the end of the window", "", "```json", json.dumps(st_now, indent=1, sort_keys=True),
               "```", ""]
     return "\n".join(lines)
+
+
+def _worth_explaining(st: ReplayState, limit: int = 10) -> list[tuple[str, str]]:
+    """Requests whose decision deserves a look (routed away from a better-cached pod, failed, or
+    over the SLA), at most ``limit``, with their recorded decision."""
+    out: list[tuple[str, str]] = []
+    for r in st.records:
+        if r.request_id not in st.decisions:
+            continue
+        why = None
+        if r.best_overlap_blocks > r.chosen_overlap_blocks:
+            why = (f"{r.request_id} went to {', '.join(r.pods) or '?'} with {r.chosen_overlap_blocks} cached blocks, "
+                   f"another pod had {r.best_overlap_blocks}")
+        elif r.status != "ok":
+            why = f"{r.request_id} {r.status} ({r.http_status})"
+        elif r.ttft_s is not None and r.ttft_s > st.targets.ttft_s:
+            why = f"{r.request_id} TTFT {r.ttft_s:.3f}s on {', '.join(r.pods)}"
+        if why:
+            out.append((r.request_id, why))
+            if len(out) >= limit:
+                break
+    return out
 
 
 def report_html(markdown: str) -> str:

@@ -33,6 +33,7 @@ class RouterApp:
         self.records = None
         self.kube = None
         self.service: RouterService | None = None
+        self.epp = None  # router.epp.EppServer when cfg.epp_port is set
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         from streams.kv_index import warm_up
@@ -59,11 +60,19 @@ class RouterApp:
             await self.kube.start()
         self.service = RouterService(self.cfg, state=self.state, index=self.index, registry=self.registry,
                                      records=self.records)
-        return await self.service.start(host, port)
+        url = await self.service.start(host, port)
+        if self.cfg.epp_port is not None:
+            from router.epp import start_epp
+
+            self.epp = await start_epp(self.service, host or self.cfg.host, self.cfg.epp_port,
+                                       fallbacks=self.cfg.epp_fallbacks)
+        return url
 
     async def stop(self, drain: bool = True) -> bool:
         """Drain in-flight requests (if asked), then stop everything; True if the drain completed."""
         drained = True
+        if self.epp is not None:
+            await self.epp.stop()
         if self.service is not None:
             if drain:
                 drained = await self.service.drain()

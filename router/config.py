@@ -6,13 +6,19 @@ Example::
       pool: default
       strategy: kv-aware            # or pd-kv-aware, round-robin, ... or a strategy YAML file
       port: 8080
-      tokenizer: simple             # or /models/qwen3/tokenizer.json (must match the engines)
+      tokenizer: auto               # or /models/qwen3/tokenizer.json, or simple (must match the engines)
       backends:                     # static; engines announced on NATS and Kubernetes pods join them
         - {pod: p0, url: "http://10.0.0.5:8000", model: Qwen/Qwen3-8B, role: prefill, group: g1}
         - {pod: d0, url: "http://10.0.0.6:8000", model: Qwen/Qwen3-8B, role: decode, group: g1}
       kubernetes: {enabled: true, namespace: ai-inference, label_selector: "openfuyao.com/engine=vllm"}
       api_keys_file: /etc/infernex/keys   # one key per line; admin_key for /v1/router/*
       rate_limit_rps: 20
+      engine_api_key_file: /etc/infernex/engine-auth/engine-api-key   # engines run with --api-key
+      admission:                    # caps from the router's own counts (see router.admission)
+        max_inflight_per_backend: 64  # else a backend's max_inflight, else its announced max_num_seqs
+        queue_size: 1024
+        queue_timeout_s: 30           # then 503 + Retry-After
+        max_inflight_per_key: 16      # then 429 + Retry-After
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from router.admission import AdmissionConfig
 from router.pd_protocol import PdConnectorConfig
 
 
@@ -37,6 +44,8 @@ class StaticBackend(_S):
     group: str | None = None
     loras: list[str] = Field(default_factory=list)
     node: str | None = None
+    api_key: SecretStr | None = Field(default=None, description="this engine's --api-key (else engine_api_key)")
+    max_inflight: int | None = Field(default=None, gt=0, description="admission cap (else from max_num_seqs)")
 
 
 class KubernetesDiscovery(_S):
@@ -55,10 +64,15 @@ class RouterConfig(_S):
     strategy: str = Field(default="kv-aware", description="built-in strategy name or a strategy YAML file")
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    epp_port: int | None = Field(default=None, ge=0, le=65535,
+                                 description="also serve the GIE endpoint picker (Envoy ext_proc, gRPC) on this port")
+    epp_fallbacks: int = Field(default=0, ge=0, le=8,
+                               description="next-best endpoints the picker lists after its pick (proxy retries)")
     backends: list[StaticBackend] = Field(default_factory=list)
     kubernetes: KubernetesDiscovery = Field(default_factory=KubernetesDiscovery)
     bus: bool = Field(default=True, description="discovery, load, health and KV state from NATS")
-    tokenizer: str | None = Field(default="simple", description="'simple', a tokenizer.json path, or null")
+    tokenizer: str | None = Field(default="auto", description="'auto' (the model's tokenizer.json if on this "
+                                  "machine, else the toy one), 'simple', a tokenizer.json path, or null")
     tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
     block_size: int = Field(default=16, gt=0)
     kv_snapshot: str | None = Field(
@@ -80,16 +94,30 @@ class RouterConfig(_S):
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_keys_file: Path | None = Field(default=None, description="one key per line")
     admin_key: SecretStr | None = None
+    engine_api_key: SecretStr | None = Field(default=None, description="sent as 'Authorization: Bearer' to engines")
+    engine_api_key_file: Path | None = Field(default=None, description="the engine key in a file (a mounted Secret)")
     rate_limit_rps: float | None = Field(default=None, gt=0, description="per API key")
     rate_limit_burst: int = Field(default=20, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     request_timeout_s: float = Field(default=30.0, gt=0,
                                      description="a request must arrive whole within this long of its first byte (else 408)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     # records
     records: bool = True
     pd: PdConnectorConfig = Field(default_factory=PdConnectorConfig,
                                   description="the PD engines' KV connector (nixl, mooncake, mooncake_ascend)")
     records_buffer: int = Field(default=10_000, gt=0)
+
+    def load_engine_keys(self) -> tuple[str | None, dict[str, str]]:
+        """(global ``Authorization`` value or None, per static backend pod -> value)."""
+        key = self.engine_api_key.get_secret_value() if self.engine_api_key else None
+        if self.engine_api_key_file is not None:
+            try:
+                key = self.engine_api_key_file.read_text().strip() or key
+            except OSError as exc:
+                raise ValueError(f"engine_api_key_file {self.engine_api_key_file}: {exc.strerror}") from None
+        per = {b.pod: "Bearer " + b.api_key.get_secret_value() for b in self.backends if b.api_key is not None}
+        return ("Bearer " + key if key else None), per
 
     def load_api_keys(self) -> list[str]:
         keys = [k.get_secret_value() for k in self.api_keys]

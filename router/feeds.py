@@ -17,7 +17,7 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter
 
-from consumers.bus import DeadLetters
+from consumers.bus import DeadLetters, stream_seq_of
 from router.state import ClusterState
 from schemas import EngineAnnouncement, EngineMetrics, KvEventBatch, ValidationFailure, decode_event
 from schemas import DeviceTelemetry, Diagnosis
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class BusFeeds:
     def __init__(self, nc, state: ClusterState, *, prefix: str | None = None, index: Any = None,
                  registry: CollectorRegistry | None = None, consumer_name: str = "router",
-                 kv_snapshot: str | None = None):
+                 kv_snapshot: str | None = None, kv_reorder_window_s: float = 10.0):
         self.nc = nc
         self.js = nc.jetstream()
         self.state = state
@@ -45,6 +45,11 @@ class BusFeeds:
         self.kv_snapshot = kv_snapshot
         self.kv_start_seq = 1  # where the KV feed started reading (after the snapshot, if any)
         self.kv_restored_batches = 0
+        if index is not None and kv_reorder_window_s and not getattr(index, "reorder_window_s", 0):
+            # the KV stream may hold a pod's batches out of order (a bridge's retry after a NATS
+            # restart): the embedded index holds a batch back until the earlier ones arrive
+            index.reorder_window_s = kv_reorder_window_s
+        self._release_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         feeds = [
@@ -70,6 +75,18 @@ class BusFeeds:
                 config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.kv_start_seq)
             self._subs.append(await self.js.subscribe(full, cb=cb, ordered_consumer=True, stream=spec.name,
                                                       config=config))
+        if self.index is not None and hasattr(self.index, "release_expired"):
+            self._release_task = asyncio.create_task(self._release_waiting(), name="router-kv-release")
+
+    async def _release_waiting(self) -> None:
+        """Apply KV batches that waited their reorder window for an earlier one (gap accepted)."""
+        while True:
+            await asyncio.sleep(0.5)
+            if self.index.waiting_count:
+                try:
+                    self.index.release_expired()
+                except Exception:  # noqa: BLE001 - a fold error must not end the feed
+                    log.exception("releasing waiting KV batches failed")
 
     async def _restore_kv(self, where: str) -> int:
         """Load the indexer's newest snapshot into the embedded index; the KV stream sequence to
@@ -79,7 +96,8 @@ class BusFeeds:
         bucket, _, name = where.partition("/")
         bucket = snapshot_bucket_name(self.prefix, bucket)
         try:
-            snap = await read_snapshot(self.js, bucket, name or "kv-indexer")
+            # a bucket whose leader is gone must not hold the router's start: replay instead
+            snap = await asyncio.wait_for(read_snapshot(self.js, bucket, name or "kv-indexer"), 15)
         except Exception as exc:  # noqa: BLE001 - a broken snapshot: replay the stream instead
             log.warning("KV snapshot %s/%s unusable (%s); reading the whole KV stream", bucket, name, exc)
             return 1
@@ -124,11 +142,16 @@ class BusFeeds:
         subj = msg.subject[len(self.prefix) + 1:] if self.prefix else msg.subject
         log.warning("dead-lettering a message on %s: %s", subj, reason[:200])
         try:
-            await self.dead.send(stream, subj, msg.data, reason)
+            await self.dead.send(stream, subj, msg.data, reason, stream_seq=stream_seq_of(msg))
         except Exception as exc:  # noqa: BLE001 - the feed must keep going
             log.warning("dead letter publish failed: %s", type(exc).__name__)
 
     async def stop(self) -> None:
+        if self._release_task is not None:
+            from consumers.bus import cancel_task
+
+            await cancel_task(self._release_task)
+            self._release_task = None
         for s in self._subs:
             try:
                 await s.unsubscribe()

@@ -36,7 +36,11 @@ log = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is refused (431)
-_date = [0, b""]  # (second, "Date: ...\r\n"): formatted once a second
+_date = [0, b""]
+_TIMEOUT_BODY = (b'{"error": {"message": "request not received within timeout", "type": "invalid_request_error", '
+                 b'"param": null, "code": "request_timeout"}}')
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))  # (second, "Date: ...\r\n"): formatted once a second
 
 
 def _date_header() -> bytes:
@@ -404,6 +408,7 @@ class Server:
         self.request_timeout_s = request_timeout_s
         self._sweeper: asyncio.Task | None = None
         self.routes: dict[str, dict[str, Handler]] = {}
+        self.prefixes: list[tuple[str, dict[str, Handler]]] = []  # "/v1/models/" -> handlers (rest of path)
         self.wrap = wrap
         self._on_error = on_error
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -417,6 +422,16 @@ class Server:
         if method == "GET":
             self.routes[path].setdefault("HEAD", handler)
 
+    def add_prefix(self, method: str, prefix: str, handler: Handler) -> None:
+        """Route every path under ``prefix`` (looked up only when no exact route matches)."""
+        for p, methods in self.prefixes:
+            if p == prefix:
+                methods[method] = handler
+                return
+        self.prefixes.append((prefix, {method: handler}))
+        if method == "GET":
+            self.prefixes[-1][1].setdefault("HEAD", handler)
+
     async def on_error(self, request: Request | None, err: HttpError) -> Response:
         if self._on_error is not None:
             return await self._on_error(request, err)
@@ -427,11 +442,15 @@ class Server:
             raise request.error
         methods = self.routes.get(request.path)
         if methods is None:
+            methods = self._prefixed(request.path)
+        if methods is None:
             raise HttpError(404, f"no route for {request.path}")
         raise HttpError(405, f"method {request.method} not allowed on {request.path}")
 
     async def dispatch(self, request: Request) -> Any:
         methods = self.routes.get(request.path)
+        if methods is None and self.prefixes:
+            methods = self._prefixed(request.path)
         handler = methods.get(request.method) if methods else None
         if handler is None or request.error is not None:
             handler = self._not_routed
@@ -444,6 +463,12 @@ class Server:
         except Exception:  # noqa: BLE001 - a handler bug must not kill the connection silently
             log.exception("unhandled error on %s %s", request.method, request.path)
             return Response(500, b"internal server error", "text/plain")
+
+    def _prefixed(self, path: str) -> dict[str, Handler] | None:
+        for p, methods in self.prefixes:
+            if path.startswith(p) and len(path) > len(p):
+                return methods
+        return None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self.loop = asyncio.get_running_loop()
@@ -465,9 +490,13 @@ class Server:
                 if c.idle_since and c.idle_since < limit:
                     c.transport.close()
                 elif c.reading_since and c.reading_since < slow:
-                    c.send(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\nContent-Length: 36\r\n"
-                           b"Connection: close\r\n\r\nrequest not received within timeout\n")
-                    c.transport.close()
+                    c.send(_TIMEOUT_408)
+                    # linger: the client may still be sending; a close with unread input would
+                    # reset the connection and the client would lose the answer
+                    c.reading_since = 0.0
+                    c._stopped = True
+                    c.close_after = True
+                    c._close()
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop listening; wait up to ``grace_s`` for running handlers; close every connection."""

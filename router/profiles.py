@@ -187,14 +187,21 @@ def build_strategy(name: str, spec: StrategySpec | dict) -> Strategy:
 
 
 def load_strategy_file(path: Path, name: str | None = None) -> Strategy:
+    """Our strategy YAML or an llm-d ``EndpointPickerConfig`` (mapped by :mod:`router.llmd`)."""
+    from router import llmd
+
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"strategy file {path}: not valid YAML: {exc}") from None
     except OSError as exc:
         raise ValueError(f"strategy file {path}: {exc.strerror}") from None
     if not isinstance(data, dict):
         raise ValueError(f"strategy file {path}: must hold a mapping")
+    llmd.check_types(data, str(path), text)
+    if llmd.is_llmd(data):
+        data = llmd.translate(data, str(path), text)
     return build_strategy(name or Path(path).stem, data)
 
 

@@ -2,14 +2,18 @@
 
 ``submit_*`` puts the event in a bounded queue and returns at once; when the queue is full the
 event is dropped and counted (``infernex_router_records_dropped_total``). A background task
-publishes to JetStream (``router.decisions.<pool>``, ``router.requests.<pool>``).
+publishes to JetStream (``router.decisions.<pool>``, ``router.requests.<pool>``); a publish that
+gets no ack after its retries is counted as ``infernex_router_records_unconfirmed_total`` (it may
+have been stored: the ack, not the record, may be what was lost).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -21,14 +25,105 @@ from schemas.records import RequestRecord, RoutingDecision
 log = logging.getLogger(__name__)
 
 
-def decision_json(*, request_id: str, ts: float, pool: str, model: str, profile: str, stage) -> bytes:
+#: :class:`schemas.records.BackendInput` fields that change only with ``ClusterState.epoch`` (load,
+#: device utilisation, health, identity) and those the router changes per request (its own counters)
+STATIC_FIELDS = ("pod", "model", "role", "group", "pool", "loras", "node", "waiting", "running", "kv_usage",
+                 "num_gpu_blocks", "cpu_util", "mem_util", "health", "draining")
+VOLATILE_FIELDS = ("inflight", "active_tokens", "pending_prefill_tokens", "circuit_open")
+BACKEND_FIELDS = STATIC_FIELDS + VOLATILE_FIELDS
+_static = attrgetter(*STATIC_FIELDS)
+_volatile = attrgetter(*VOLATILE_FIELDS)
+
+
+class BackendCapture:
+    """Copies the backends a decision read, synchronously at the decision (the objects change
+    afterwards). The epoch-tracked fields are copied once per ``ClusterState.epoch`` and shared by
+    the decisions of that epoch; only the router's own counters are copied every time."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._rows: list[tuple] = []
+
+    def __call__(self, backends: Sequence[Any], epoch: int | None) -> tuple[list[tuple], list[tuple]]:
+        key = (epoch, id(backends), len(backends))
+        if epoch is None or key != self._key:
+            self._rows = list(map(_static, backends))
+            self._key = key
+        return self._rows, list(map(_volatile, backends))
+
+
+def capture_backends(backends: Sequence[Any]) -> tuple[list[tuple], list[tuple]]:
+    """One capture without epoch sharing (tests, tools)."""
+    return BackendCapture()(backends, None)
+
+
+_SETTINGS: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def strategy_settings(strategy) -> dict[str, Any]:
+    """A :class:`router.profiles.Strategy` written back as the EndpointPickerConfig mapping it was
+    built from (plugins with their validated parameters, profiles with weights), so
+    ``build_strategy(name, settings)`` rebuilds one that decides the same. Cached per strategy."""
+    hit = _SETTINGS.get(id(strategy))
+    if hit is not None and hit[0] is strategy:
+        return hit[1]
+    plugins: dict[str, dict[str, Any]] = {}
+
+    def spec(p) -> None:
+        plugins.setdefault(p.name, {"name": p.name, "type": p.type_name,
+                                    "parameters": p.params.model_dump(mode="json")})
+
+    if strategy.handler.type_name != "single-profile-handler":
+        spec(strategy.handler)
+    profiles = []
+    for prof in strategy.profiles.values():
+        refs = []
+        for f in prof.filters:
+            spec(f)
+            refs.append({"pluginRef": f.name})
+        for s, w in prof.scorers:
+            spec(s)
+            refs.append({"pluginRef": s.name, "weight": w})
+        spec(prof.picker)
+        refs.append({"pluginRef": prof.picker.name})
+        profiles.append({"name": prof.name, "plugins": refs})
+    out = {"description": strategy.description, "plugins": list(plugins.values()), "schedulingProfiles": profiles}
+    _SETTINGS[id(strategy)] = (strategy, out)
+    return out
+
+
+def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], list[tuple]], now: float,
+                    block_size: int, overlap: dict[str, int]) -> dict[str, Any]:
+    """A :class:`schemas.records.DecisionInputs` mapping from what :meth:`router.core.Router.decide`
+    read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form."""
+    static, volatile = backends
+    rows = [s + v for s, v in zip(static, volatile)]  # loras stay a frozenset: msgspec writes it as an array
+    keys = None
+    ids = request.token_ids
+    if ids is not None and len(ids) > 1 and block_size > 0:
+        from streams.kv_index import block_keys
+        from streams.kv_keys import request_salt
+
+        # the prompt's reusable blocks as the index keys them (at most len-1 tokens, as the router reads)
+        keys = list(block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
+                               salt=request_salt(request.cache_salt)))
+    return {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
+            "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
+            "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,
+            "overlap": dict(overlap), "prefix_keys": keys,
+            "backends": {"columns": BACKEND_FIELDS, "rows": rows}}
+
+
+def decision_json(*, request_id: str, ts: float, pool: str, model: str, profile: str, stage,
+                  inputs: dict[str, Any] | None = None) -> bytes:
     """A :class:`schemas.records.RoutingDecision` as JSON, written straight from a
     :class:`router.types.StageResult` with msgspec: building and validating the model with its
-    64 candidates costs ~10x more, for data the router made itself (tests check the two agree)."""
+    64 candidates costs ~10x more, for data the router made itself (tests check the two agree).
+    ``inputs``: :func:`decision_inputs` (the first stage carries them)."""
     return msgspec.json.encode({
         "schema_version": SCHEMA_VERSION, "request_id": request_id, "ts": ts, "pool": pool, "model": model,
         "profile": profile, "stage": stage.stage, "picked": stage.picked.pod if stage.picked else None,
-        "reason": stage.reason[:1000], "candidates": stage.candidate_dicts()})
+        "reason": stage.reason[:1000], "candidates": stage.candidate_dicts(), "inputs": inputs})
 
 
 class RecordSink:
@@ -45,6 +140,11 @@ class RecordSink:
                                 "Records dropped because the publish buffer was full", ["kind"], registry=registry)
         self._published = Counter("infernex_router_records_published_total", "Records published", ["kind"],
                                   registry=registry)
+        self.unconfirmed = 0
+        self._unconfirmed = Counter("infernex_router_records_unconfirmed_total",
+                                    "Records whose publish got no JetStream ack after retries (maybe stored, "
+                                    "maybe not; a retry within the duplicate window would not store it twice)",
+                                    ["kind"], registry=registry)
         self._dec_subject = S.with_prefix(prefix, S.router_decisions(pool))
         self._req_subject = S.with_prefix(prefix, S.router_requests(pool))
 
@@ -97,8 +197,8 @@ class BusRecordSink(RecordSink):
                 self.published += 1
                 self._published.labels("decision" if subject == self._dec_subject else "request").inc()
             except Exception as exc:  # noqa: BLE001 - a lost record must not stop the publisher
-                self.dropped += 1
-                self._dropped.labels("publish_error").inc()
+                self.unconfirmed += 1
+                self._unconfirmed.labels("decision" if subject == self._dec_subject else "request").inc()
                 log.warning("record publish to %s failed: %s", subject, type(exc).__name__)
             finally:
                 self._busy -= 1

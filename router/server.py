@@ -23,18 +23,21 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router import openapi
+from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
-from router.metrics import FastMetrics, PluginEventsCollector
+from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
-from router.records import RecordSink, decision_json
+from router.records import BackendCapture, RecordSink, decision_inputs, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
 from router.types import BackendState, Decision, RoutingRequest
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from schemas.records import RequestRecord
+from schemas.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,14 @@ _json_encode = msgspec.json.encode
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 _RID = "rid"
 _JSON = "application/json"
+_BACKEND_HEADER = "X-InferNex-Backend"
+# sent as they are to a backend serving the body's model
+_PASSTHROUGH = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/tokenize": "tokenize",
+                "/detokenize": "detokenize"}
+# OpenAI's error ``code`` is a string; these name the plain HTTP failures
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+          408: "request_timeout", 413: "body_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
+          500: "internal_error", 502: "upstream_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
@@ -55,7 +66,7 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
                    param: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or _CODES.get(status, str(status))}}
     return Response(status, _json_encode(body), _JSON, headers)
 
 
@@ -94,10 +105,13 @@ class _Flow:
     prefill_pod: str | None = None
     decode_pod: str | None = None
     decision: Decision | None = None
+    captured: tuple | None = None  # (backends, now) the last decision read, for its record
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
     done: bool = False
+    key: str = "-"  # the client (API key or address) for quotas and fairness
+    queue_s: float = 0.0  # time spent waiting for a backend slot
     prefill_s: float | None = None  # PD: the prefill stage's time (its TTFT)
     prefill_end_t: float | None = None
     recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)
@@ -108,13 +122,20 @@ class RouterMetrics:
     """Per-request metrics are cheap :mod:`router.metrics` families; the rare events
     (rejections, retries, migrations) are prometheus_client counters."""
 
-    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0):
+    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0, queued=lambda: 0):
         fast = FastMetrics(registry)
         self.requests = fast.counter("infernex_router_requests_total", "Requests by outcome", ["strategy", "status"])
         self.duration = fast.histogram("infernex_router_request_duration_seconds", "End-to-end request time",
-                                       ["strategy"])
+                                       ["strategy"], buckets=LATENCY_BUCKETS)
         self.ttft = fast.histogram("infernex_router_ttft_seconds", "Time to first token through the router",
-                                   ["strategy"])
+                                   ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
+        self.itl = fast.histogram("infernex_router_itl_seconds",
+                                  "Mean inter-token latency of a streamed request through the router",
+                                  ["strategy", "pool", "role"], buckets=ITL_BUCKETS)
+        self.queue = fast.histogram("infernex_router_queue_seconds",
+                                    "Time a request waited for a backend slot (admission control)",
+                                    ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
+        fast.gauge_function("infernex_router_queued_requests", "Requests waiting for a backend slot", queued)
         self.decision = fast.histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
                                        ["strategy"],
                                        buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
@@ -145,12 +166,13 @@ class RouterService:
         self.state = state or ClusterState(cfg)
         self.index = index
         self.registry = registry or CollectorRegistry()
-        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight)
+        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight,
+                                     queued=lambda: self.admission.queued)
         self.registry.register(PluginEventsCollector(lambda: self.router.strategy))
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
-        self._m_ttft = self.metrics.ttft.labels(name)
+        self._m_role: dict[str, tuple[Any, Any, Any]] = {}  # role -> (ttft, itl, queue) children
         self._m_regret = self.metrics.regret.labels(name)
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
         self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
@@ -158,9 +180,12 @@ class RouterService:
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
         self.pd = PdProtocol(cfg.pd)
+        self._capture = BackendCapture()  # the backends each decision read, for its record
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
+        self._engine_key, self._engine_keys = cfg.load_engine_keys()
+        self.admission = Admission(cfg.admission)
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
         # request ids: a random 64-bit prefix per process and a counter (uuid4 costs a syscall each)
@@ -174,6 +199,7 @@ class RouterService:
         self.upstream: UpstreamPool | None = None  # inference requests (the hot path)
         self._tasks: list[asyncio.Task] = []
         self.url: str | None = None
+        self._openapi: bytes | None = None
         self.app = self._build_app()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -185,9 +211,18 @@ class RouterService:
         app.add("GET", "/v1/models", self.models)
         app.add("GET", "/health", self.health)
         app.add("GET", "/ready", self.ready)
+        app.add("GET", "/healthz", self.health)  # the probe names every component answers (issue 21)
+        app.add("GET", "/readyz", self.ready)
         app.add("GET", "/metrics", self.prom)
         app.add("POST", "/v1/router/decide", self.decide)
         app.add("GET", "/v1/router/backends", self.backends)
+        # the surface vLLM users reach for: the API document, version, one model, pass-through
+        app.add("GET", "/openapi.json", self.openapi_doc)
+        app.add("GET", "/docs", self.docs)
+        app.add("GET", "/version", self.version)
+        app.add_prefix("GET", "/v1/models/", self.model)
+        for path, kind in _PASSTHROUGH.items():
+            app.add("POST", path, lambda r, path=path, kind=kind: self._passthrough(r, kind, path))
         return app
 
     async def open(self) -> None:
@@ -235,6 +270,7 @@ class RouterService:
         while True:
             await asyncio.sleep(1.0)
             self.state.refresh()
+            self.admission.resync(self.state.snapshot())
 
     # -- middleware: request id, auth, limits, errors ---------------------------------------
     async def _middleware(self, request: Request, handler):
@@ -255,7 +291,7 @@ class RouterService:
             raise
         except Exception:  # noqa: BLE001 - never a stack trace to the client
             log.exception("internal error on %s (request %s)", request.path, rid)
-            resp = error_response(500, "internal router error", "server_error")
+            resp = error_response(500, "internal router error", "server_error", "internal_error")
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
         return resp
@@ -266,7 +302,7 @@ class RouterService:
             self.metrics.rejected.labels("body_size").inc()
             return error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
                                   code="body_too_large")
-        return error_response(e.status, e.message, code=str(e.status))
+        return error_response(e.status, e.message, code=_CODES.get(e.status, str(e.status)))
 
     def _authorize(self, request: Request, admin: bool) -> None:
         keys = [self._admin] if (admin and self._admin) else self._keys
@@ -305,6 +341,9 @@ class RouterService:
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": await self._model_list()})
+
+    async def _model_list(self) -> list[dict]:
         backends = [b for b in self.state.snapshot() if not b.circuit_open]
         seen: dict[str, dict] = {}
 
@@ -325,7 +364,103 @@ class RouterService:
         for b in backends:
             for mid in (b.model, *b.loras):
                 seen.setdefault(mid, {"id": mid, "object": "model", "created": 0, "owned_by": "infernex"})
-        return json_response({"object": "list", "data": sorted(seen.values(), key=lambda m: m["id"])})
+        return sorted(seen.values(), key=lambda m: m["id"])
+
+    async def openapi_doc(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = _json_encode(openapi.document(_version()))
+        return Response(200, self._openapi, _JSON)
+
+    async def docs(self, request: Request) -> Response:
+        return Response(200, openapi.DOCS_HTML, "text/html; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": _version(), "name": "infernex-hermes-router"})
+
+    async def model(self, request: Request) -> Response:
+        """``/v1/models/{id}``: the id may hold slashes (``Qwen/Qwen3-8B``) and %-escapes."""
+        from urllib.parse import unquote
+
+        mid = unquote(request.path[len("/v1/models/"):])
+        for m in (await self._model_list()):
+            if m["id"] == mid:
+                return json_response(m)
+        raise ApiError(404, f"The model `{mid}` does not exist.", "invalid_request_error", "model_not_found",
+                       "model")
+
+    async def _passthrough(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
+        """Embeddings, Responses, tokenize, detokenize: checked, then sent unchanged to a backend serving
+        the model (connect failures go to another one); the answer, streamed or not, comes back as is."""
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError(503, "router is draining", "service_unavailable", "draining",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        body = await self._read_json(request)
+        self._check_body(kind, body)
+        rid = request[_RID]
+        model = body["model"]
+        base = self.state.lora_base(model)
+        rreq = RoutingRequest(model=model, request_id=rid, prompt_tokens=max(1, len(request.body) // 4),
+                              lora=model if base else None, index_model=base)
+        key = self._client_key(request)
+        self._enter(key)
+        try:
+            return await self._passthrough_run(request, rreq, path, key)
+        finally:
+            self.admission.leave(key)
+
+    async def _passthrough_run(self, request: Request, rreq: RoutingRequest, path: str,
+                               key: str) -> Response | StreamResponse:
+        rid = rreq.request_id
+        t0 = time.perf_counter()
+        exclude: set[str] = set()
+        headers = {"X-Request-Id": rid, "Content-Type": "application/json"}
+        for _ in range(self.cfg.max_retries + 1):
+            d, _ = await self._admit(rreq, exclude, key, t0)
+            if not d.ok:
+                raise self._decision_error(d, rreq)
+            b = d.target
+            self._started(b, 0, 0)
+            up: UpstreamResponse | None = None
+            try:
+                try:
+                    up = await self.upstream.post(b.url, path, request.body, self._upstream_headers(b, headers))
+                except _UPSTREAM_ERRORS as e:
+                    log.warning("connect to %s failed for %s: %s", b.pod, rid, type(e).__name__)
+                    self.state.breakers.failure(b.pod)
+                    exclude.add(b.pod)
+                    continue
+                self.state.breakers.success(b.pod)
+                ctype = up.headers.get("content-type", _JSON)
+                out_headers = {"X-Request-Id": rid, _BACKEND_HEADER: b.pod}
+                if not ctype.startswith("text/event-stream"):
+                    try:
+                        data = await up.read()
+                    except _UPSTREAM_ERRORS:
+                        raise ApiError(502, f"backend {b.pod} broke off its answer", "server_error",
+                                       "upstream_error") from None
+                    if up.status >= 400:
+                        data, ctype = _openai_error_body(up.status, data), _JSON
+                    return Response(up.status, data, ctype, out_headers)
+                resp = StreamResponse(up.status, {"Content-Type": ctype, "Cache-Control": "no-cache", **out_headers})
+                await resp.prepare(request)
+                try:
+                    async for chunk in up.iter_any():
+                        await resp.write(chunk)
+                except _UPSTREAM_ERRORS:
+                    log.warning("backend %s failed mid-stream for %s", b.pod, rid)
+                    return resp
+                await resp.write_eof()
+                return resp
+            finally:
+                if up is not None:
+                    if up.at_eof():
+                        up.release()
+                    else:
+                        up.close()
+                self._finished(b, 0, 0)
+        raise ApiError(502, f"no backend answered after {len(exclude)} attempts", "server_error",
+                       "upstream_unavailable")
 
     async def backends(self, request: Request) -> Response:
         infos = self._index_pods()
@@ -333,6 +468,8 @@ class RouterService:
         for b in self.state.snapshot():
             d = b.public()
             d["circuit"] = self.state.breakers.state(b.pod)
+            d["max_inflight"] = self.admission.cap(b)
+            d["url"] = redact_url(b.url)
             info = infos.get(b.pod)
             d["cached_blocks"] = sum(info.blocks.values()) if info is not None else 0
             d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
@@ -367,27 +504,23 @@ class RouterService:
         try:
             body = _json_decode(raw)
         except msgspec.DecodeError:
-            raise ApiError(400, "request body is not valid JSON") from None
+            raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
     @staticmethod
     def _check_body(kind: str, body: dict[str, Any]) -> None:
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            raise ApiError(400, "'model' is required and must be a string", param="model")
-        if kind == "chat":
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise ApiError(400, "'messages' must be a non-empty list of {role, content}", param="messages")
-        elif body.get("prompt") is None and body.get("prompt_token_ids") is None:
-            raise ApiError(400, "'prompt' is required", param="prompt")
-        for k in ("max_tokens", "max_completion_tokens"):
-            v = body.get(k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ApiError(400, f"'{k}' must be a positive integer", param=k)
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        """The body against the endpoint's request model (router.openapi): wrong types are 400s here,
+        not errors deeper in the router."""
+        try:
+            openapi.check(kind, body)
+        except openapi.BadRequest as e:
+            raise ApiError(400, e.message, code="invalid_value", param=e.param) from None
 
     def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
         st = self.router.strategy
@@ -407,12 +540,74 @@ class RouterService:
         return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
                               max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
 
-    def _decide(self, rreq: RoutingRequest) -> Decision:
+    def _decide(self, rreq: RoutingRequest, flow: _Flow | None = None) -> Decision:
         t = time.perf_counter()
         st = self.state
-        d = self.router.decide(rreq, st.snapshot(), self.index, st.clock.now(), load_epoch=st.epoch)
+        snap, now = st.snapshot(), st.clock.now()
+        d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
+        if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
+            flow.captured = (self._capture(snap, st.epoch), now)
         self._m_decision.observe(time.perf_counter() - t)
         return d
+
+    def _started(self, b: BackendState, prompt_tokens: int, prefill_tokens: int) -> None:
+        self.state.started(b, prompt_tokens, prefill_tokens)
+        self.admission.started(b)
+
+    def _finished(self, b: BackendState, prompt_tokens: int, prefill_tokens_left: int) -> None:
+        self.state.finished(b, prompt_tokens, prefill_tokens_left)
+        self.admission.finished(b)
+
+    def _client_key(self, request: Request) -> str:
+        """Who a request counts against for quotas and fairness: its (already checked) API key, or
+        its address when the router takes no keys (a free-form header could dodge the quota)."""
+        if self._keys:
+            return request.headers.get("authorization", "-")
+        return request.remote or "-"
+
+    def _enter(self, key: str) -> None:
+        try:
+            self.admission.enter(key)
+        except Refused as e:
+            self.metrics.rejected.labels("quota").inc()
+            raise ApiError(e.status, e.message, "rate_limit_error", e.code,
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+
+    async def _admit(self, rreq: RoutingRequest, exclude: set[str], key: str, t0: float,
+                     flow: _Flow | None = None) -> tuple[Decision, float]:
+        """A decision over the backends with a free slot; when all that could serve the request are
+        at their cap, wait in the model's queue (bounded, with a deadline) -> (decision, seconds queued)."""
+        adm = self.admission
+        if not adm.cfg.enabled:
+            if exclude:
+                rreq.exclude = frozenset(exclude)
+            return self._decide(rreq, flow), 0.0
+        qkey = rreq.index_model or rreq.model
+        queued = 0.0
+        jump = adm.waiting(qkey)  # others wait for this model already: queue behind them
+        while True:
+            if not jump:
+                full = adm.full
+                ex = (exclude | full) if full else exclude
+                if ex or rreq.exclude:
+                    rreq.exclude = frozenset(ex)
+                d = self._decide(rreq, flow)
+                if d.ok or not full:
+                    return d, queued
+                rreq.exclude = frozenset(exclude)
+                d2 = self._decide(rreq, flow)
+                if not d2.ok:
+                    return d2, queued  # not for lack of slots
+            jump = False
+            t = time.perf_counter()
+            try:
+                await adm.wait(qkey, key, t0 + adm.cfg.queue_timeout_s - t)
+            except Refused as e:
+                self.metrics.rejected.labels(e.code).inc()
+                raise ApiError(e.status, e.message, "service_unavailable", e.code,
+                               headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+            finally:
+                queued += time.perf_counter() - t
 
     async def _inference(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
         if self.draining:
@@ -429,6 +624,8 @@ class RouterService:
         if stream:
             so = body.get("stream_options")
             flow.wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        flow.key = self._client_key(request)
+        self._enter(flow.key)
         self.inflight += 1
         self._idle.clear()
         resp: StreamResponse | None = None
@@ -446,6 +643,7 @@ class RouterService:
             flow.http_status, flow.error = e.status, e.message
             raise
         finally:
+            self.admission.leave(flow.key)
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
@@ -458,13 +656,12 @@ class RouterService:
         body = flow.body
         while True:
             rreq = flow.rreq
-            if flow.exclude:
-                rreq.exclude = frozenset(flow.exclude)
-            decision = self._decide(rreq)
+            decision, waited = await self._admit(rreq, flow.exclude, flow.key, flow.t0, flow)
+            flow.queue_s += waited
             flow.decision = decision
             self._publish_decision(flow, decision)
             if not decision.ok:
-                err = self._decision_error(decision)
+                err = self._decision_error(decision, rreq)
                 if resp is not None:  # mid-migration: tell the client in-band
                     flow.status, flow.error = "error", err.message
                     await self._write_sse_error(resp, err.message)
@@ -540,9 +737,14 @@ class RouterService:
                 raise ApiError(502, f"no backend answered after {flow.retries} attempts", "server_error",
                                "upstream_unavailable")
 
-    def _decision_error(self, d: Decision) -> ApiError:
+    def _decision_error(self, d: Decision, rreq: RoutingRequest | None = None) -> ApiError:
         if d.status == "no_model":
             return ApiError(404, d.reason, "invalid_request_error", "model_not_found", "model")
+        lora = rreq.lora if rreq is not None else None
+        if lora and d.status == "no_backend" and not any(lora in b.loras for b in self.state.snapshot()):
+            # no backend holds the adapter at all: retrying will not help (404, not 503)
+            return ApiError(404, f"LoRA adapter {lora!r} is not served by any backend", "invalid_request_error",
+                            "model_not_found", "lora" if rreq.index_model is None else "model")
         if d.status == "busy":
             self.metrics.rejected.labels("busy").inc()
             return ApiError(503, "all backends are busy, retry later", "service_unavailable", "busy",
@@ -587,10 +789,10 @@ class RouterService:
         pre = self.pd.prefill_body(body, flow.rid)
         peer = PrefillPeer(pb.url, pb.pod)
         self.state.breakers.attempt(pb.pod)
-        self.state.started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+        self._started(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
         t = time.perf_counter()
         try:
-            headers = self._headers(flow)
+            headers = self._headers(flow, pb)
             extra = self.pd.prefill_headers(peer)
             if extra:
                 headers = {**headers, **extra}
@@ -620,19 +822,19 @@ class RouterService:
             self.metrics.retries.labels("prefill").inc()
             return None
         finally:
-            self.state.finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
+            self._finished(pb, flow.rreq.prompt_tokens, flow.rreq.prompt_tokens)
 
     async def _forward(self, request: Request, flow: _Flow, b: BackendState, body: dict[str, Any],
                        resp: StreamResponse | None, prefill_tokens: int):
         """Send to ``b``: ``(client response, None)`` when done, ``(response or None, reason)`` on failure."""
         self.state.breakers.attempt(b.pod)
-        self.state.started(b, flow.rreq.prompt_tokens, prefill_tokens)
+        self._started(b, flow.rreq.prompt_tokens, prefill_tokens)
         pending = prefill_tokens
         up: UpstreamResponse | None = None
         try:
             try:
                 data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
-                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow))
+                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow, b))
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
                 return resp, "connect"
@@ -652,6 +854,7 @@ class RouterService:
                 flow.http_status = up.status
                 if up.status >= 400:
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
+                    data = _openai_error_body(up.status, data)
                 else:
                     if self._recomputed_json(flow, data):
                         return resp, "recomputed"
@@ -661,12 +864,13 @@ class RouterService:
                 self.state.first_token(b, pending)
                 pending = 0
                 flow.done = True
-                return Response(up.status, data, up.headers.get("content-type", _JSON),
-                                {"X-Request-Id": flow.rid}), None
+                return Response(up.status, data, _JSON if up.status >= 400 else up.headers.get("content-type", _JSON),
+                                {"X-Request-Id": flow.rid, _BACKEND_HEADER: b.pod}), None
             # streaming pass-through, event by event
             if resp is None:
                 resp = StreamResponse(up.status, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no"})
+                                                  "X-Request-Id": flow.rid, "X-Accel-Buffering": "no",
+                                                  _BACKEND_HEADER: b.pod})
                 await resp.prepare(request)
             buf = b""
             try:
@@ -679,8 +883,10 @@ class RouterService:
                             break
                         ev, buf = buf[:i + 2], buf[i + 2:]
                         keep = self._on_event(flow, ev)
-                        if keep:
+                        if keep is True:
                             out += ev
+                        elif keep:
+                            out += keep  # the event rewritten
                     if out:
                         if pending and flow.first_token_t is not None:
                             self.state.first_token(b, pending)
@@ -706,15 +912,23 @@ class RouterService:
                     up.release()
                 else:
                     up.close()  # closes the connection: the engine sees the cancel
-            self.state.finished(b, flow.rreq.prompt_tokens, pending)
+            self._finished(b, flow.rreq.prompt_tokens, pending)
 
-    @staticmethod
-    def _headers(flow: _Flow) -> dict[str, str]:
-        return {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
+    def _headers(self, flow: _Flow, b: BackendState | None = None) -> dict[str, str]:
+        h = {"X-Request-Id": flow.rid, "Content-Type": "application/json"}
+        return self._upstream_headers(b, h) if b is not None else h
 
-    def _on_event(self, flow: _Flow, ev: bytes) -> bool:
-        """Track one SSE event; False drops it (the usage chunk the client did not ask for, and all a
-        decode says after a ``recomputed`` stop: the rest comes from the re-issued request)."""
+    def _upstream_headers(self, b: BackendState, h: dict[str, str]) -> dict[str, str]:
+        """``Authorization: Bearer`` for engines started with ``--api-key`` (per backend, else global)."""
+        key = self._engine_keys.get(b.pod, self._engine_key)
+        if key is not None:
+            h["Authorization"] = key
+        return h
+
+    def _on_event(self, flow: _Flow, ev: bytes) -> bool | bytes:
+        """Track one SSE event; False drops it (the usage chunk the client did not ask for), bytes
+        replace it. After a ``recomputed`` stop (vllm-ascend) all the decode says is dropped: the rest
+        comes from the re-issued request."""
         if flow.recomputed:
             return False
         for line in ev.split(b"\n"):
@@ -737,6 +951,8 @@ class RouterService:
             if choices and stop_reason_recomputed(choices[0]) and self.pd.retries_recomputed:
                 flow.recomputed = True
                 return False
+            if flow.migrations and flow.kind == "chat" and choices:
+                return self._strip_role(obj, choices, flow)
             for c in choices:
                 if not isinstance(c, dict):
                     continue
@@ -754,6 +970,38 @@ class RouterService:
             if not choices and usage is not None and not flow.wants_usage:
                 return False
         return True
+
+    def _strip_role(self, obj: dict, choices: list, flow: _Flow) -> bool | bytes:
+        """A continuation's chunk after a migration: the client already had the ``role`` delta, so it
+        is removed (a chunk left with nothing is dropped); text is tracked as usual."""
+        changed = False
+        empty = True
+        for c in choices:
+            if not isinstance(c, dict):
+                empty = False
+                continue
+            delta = c.get("delta")
+            if isinstance(delta, dict):
+                if "role" in delta:
+                    del delta["role"]
+                    changed = True
+                piece = delta.get("content")
+                if piece and isinstance(piece, str):
+                    now = time.perf_counter()
+                    if flow.first_token_t is None:
+                        flow.first_token_t = now
+                    flow.last_token_t = now
+                    flow.text += piece
+                    flow.out_tokens += 1
+                if any(v for v in delta.values()):
+                    empty = False
+            if c.get("finish_reason") or c.get("logprobs"):
+                empty = False
+        if not changed:
+            return True
+        if empty and not obj.get("usage"):
+            return False
+        return _sse_event(obj)
 
     def _recomputed_json(self, flow: _Flow, data: bytes) -> bool:
         """A non-streamed decode answer that stopped ``recomputed``: keep its text for the re-issue."""
@@ -840,7 +1088,7 @@ class RouterService:
         else:
             # token ids when we can tokenize like the engine (no re-split at the join), else text
             prompt_ids = self.encoder.encode("completions", flow.body)
-            gen = self.encoder.encode("completions", {"prompt": flow.text}) if prompt_ids is not None else None
+            gen = self.encoder.encode_text(flow.body.get("model"), flow.text) if prompt_ids is not None else None
             p = body.get("prompt")
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
                 p = p[0]
@@ -856,7 +1104,8 @@ class RouterService:
 
     async def _write_sse_error(self, resp: StreamResponse, message: str) -> None:
         try:
-            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "code": 502}}))
+            await resp.write(_sse_event({"error": {"message": message, "type": "server_error", "param": None,
+                                                   "code": "upstream_error"}}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
@@ -868,12 +1117,19 @@ class RouterService:
             return
         now = time.time()
         pool, model = self.state.pool, flow.rreq.model
-        for st in d.stages:
-            # built by the publisher task, off the request path
-            self.records.submit_decision(
-                lambda st=st: decision_json(request_id=flow.rid, ts=now, pool=pool, model=model,
-                                            profile=d.profile, stage=st),
-                msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
+        captured, rreq, strategy = flow.captured, flow.rreq, self.router.strategy
+        exclude = rreq.exclude
+        for i, st in enumerate(d.stages):
+            # built by the publisher task, off the request path; the first stage carries the inputs
+            def build(st=st, first=i == 0):
+                inputs = None
+                if first and captured is not None:
+                    inputs = decision_inputs(strategy=strategy, request=rreq, exclude=exclude, backends=captured[0],
+                                             now=captured[1], block_size=d.block_size, overlap=st.overlap)
+                return decision_json(request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile,
+                                     stage=st, inputs=inputs)
+
+            self.records.submit_decision(build, msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
 
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0
@@ -883,15 +1139,24 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
+        role = "pd" if flow.prefill_pod else "aggregated"
+        hs = self._m_role.get(role)
+        if hs is None:
+            m, pool = self.metrics, self.state.pool
+            hs = self._m_role[role] = (m.ttft.labels(name, pool, role), m.itl.labels(name, pool, role),
+                                       m.queue.labels(name, pool, role))
+        hs[2].observe(flow.queue_s)
         ttft = None
         if flow.first_token_t is not None:
             ttft = flow.first_token_t - flow.t0
-            self._m_ttft.observe(ttft)
-        if self.records is None:
-            return
+            hs[0].observe(ttft)
         itl = None
         if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
             itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
+            if flow.stream:  # (a non-streamed answer arrives at once: no inter-token time to see)
+                hs[1].observe(itl)
+        if self.records is None:
+            return
         d = flow.decision
         pd = self.router.strategy.pd
         stage = ("pd" if flow.prefill_pod else "decode") if pd else "aggregated"
@@ -912,6 +1177,36 @@ class RouterService:
             best_overlap_blocks=d.best_overlap_blocks if d else 0,
             chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
             retries=flow.retries, migrations=flow.migrations, stream=flow.stream), msg_id=f"req:{flow.rid}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("infernex")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "0.0.0+source"
+
+
+def _openai_error_body(status: int, data: bytes) -> bytes:
+    """An engine's error answer in OpenAI's shape (vLLM's ``code`` is an int; FastAPI says ``detail``):
+    ``{"error": {"message", "type", "param", "code": str}}``; the message is the engine's."""
+    try:
+        obj = _json_decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"] and isinstance(err.get("type"), str) \
+            and "param" in err and isinstance(err.get("message"), str):
+        return data  # already the right shape
+    err = err if isinstance(err, dict) else {}
+    code = err.get("code")
+    out = {"message": err.get("message") if isinstance(err.get("message"), str) else _upstream_message(data),
+           "type": err.get("type") if isinstance(err.get("type"), str) and err.get("type") else
+           ("invalid_request_error" if status < 500 else "server_error"),
+           "param": err.get("param") if isinstance(err.get("param"), str) else None,
+           "code": code if isinstance(code, str) and code else _CODES.get(status, str(status))}
+    return _json_encode({"error": out})
 
 
 def _upstream_message(data: bytes) -> str:

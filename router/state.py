@@ -22,7 +22,7 @@ from streams.load import LoadState
 
 def backend_from_static(b: StaticBackend, pool: str) -> BackendState:
     return BackendState(pod=b.pod, url=b.url.rstrip("/"), model=b.model, role=b.role, group=b.group, pool=pool,
-                        loras=frozenset(b.loras), node=b.node, source="static")
+                        loras=frozenset(b.loras), node=b.node, source="static", max_inflight=b.max_inflight)
 
 
 class ClusterState:
@@ -131,14 +131,15 @@ class ClusterState:
                 continue
             merged[a.pod] = BackendState(pod=a.pod, url=a.url.rstrip("/"), model=a.model, role=a.role,
                                          group=a.group, pool=a.pool, node=a.node, draining=a.state == "draining",
-                                         source="bus")
+                                         source="bus", max_num_seqs=a.max_num_seqs)
         merged.update(self._kube)
         merged.update(self._static)
         out: dict[str, BackendState] = {}
         for pod, new in merged.items():
             old = self._backends.get(pod)
             if old is not None:
-                for f in ("url", "model", "role", "group", "pool", "loras", "node", "draining", "source"):
+                for f in ("url", "model", "role", "group", "pool", "loras", "node", "draining", "source",
+                          "max_inflight", "max_num_seqs"):
                     setattr(old, f, getattr(new, f))
                 new = old
             self._set_load(new)

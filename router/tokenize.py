@@ -1,37 +1,125 @@
 """Prompt -> token ids, the same way the engines do it, for exact prefix matching.
 
-Uses the simulator's tokenizers (``simple`` or a local Hugging Face ``tokenizer.json``, chat
-template applied for chat requests). Returns ``None`` when the prompt cannot be tokenized, in
-which case the router routes without prefix information rather than failing the request.
+Every request goes through :func:`simulator.tokenizer.request_to_ids`, the one function the
+simulated engine and the indexer use too, which follows vLLM's OpenAI server (BOS added to
+completion prompts, chat templates rendered once with transformers' jinja settings and no
+special tokens added after them).
+
+Which tokenizer (the ``tokenizer`` setting):
+
+* ``auto`` (default): per served model, the model's own ``tokenizer.json`` when one is on this
+  machine (the model name is a local directory, or a Hugging Face hub cache holds it), read with
+  the Rust ``tokenizers`` library; otherwise the toy ``SimpleTokenizer``, and the log says so once
+  per model.
+* a path to a ``tokenizer.json`` (or its directory): that tokenizer for every model.
+* ``simple``: the toy tokenizer (the simulator's default).
+* null: no tokenization; the router routes without prefix information.
+
+``encode`` returns ``None`` when the prompt cannot be tokenized, in which case the router routes
+without prefix information rather than failing the request.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
 from typing import Any
+
+from simulator.tokenizer import SimpleTokenizer, Tokenizer, load_tokenizer, request_to_ids
+
+log = logging.getLogger(__name__)
+
+
+def _hub_dirs() -> list[Path]:
+    out = []
+    if os.environ.get("HF_HUB_CACHE"):
+        out.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        out.append(Path(os.environ["HF_HOME"]) / "hub")
+    out.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return out
+
+
+def find_model_tokenizer(model: str) -> Path | None:
+    """A local ``tokenizer.json`` for a served model name, or ``None``: the name as a directory
+    (``vllm serve /models/qwen3``), else the Hugging Face hub cache (``models--org--name``,
+    the ``main`` snapshot first)."""
+    if not model:
+        return None
+    p = Path(model).expanduser()
+    for cand in (p / "tokenizer.json", p):
+        if cand.name == "tokenizer.json" and cand.is_file():
+            return cand
+    repo = "models--" + model.replace("/", "--")
+    for hub in _hub_dirs():
+        snaps = hub / repo / "snapshots"
+        if not snaps.is_dir():
+            continue
+        ref = hub / repo / "refs" / "main"
+        if ref.is_file():
+            cand = snaps / ref.read_text().strip() / "tokenizer.json"
+            if cand.is_file():
+                return cand
+        for snap in sorted(snaps.iterdir()):
+            if (snap / "tokenizer.json").is_file():
+                return snap / "tokenizer.json"
+    return None
 
 
 class PromptEncoder:
-    def __init__(self, spec: str | None = "simple", vocab_size: int = 32_000):
+    def __init__(self, spec: str | None = "auto", vocab_size: int = 32_000):
         self.spec = spec
-        self._tok = None
-        if spec is not None:
-            from simulator.tokenizer import load_tokenizer
-
+        self.vocab_size = vocab_size
+        self._tok: Tokenizer | None = None
+        self._per_model: dict[str, Tokenizer] = {}
+        if spec is not None and spec != "auto":
             self._tok = load_tokenizer(spec, vocab_size)
+            if isinstance(self._tok, SimpleTokenizer):
+                log.warning("router tokenizer: the toy SimpleTokenizer (tokenizer: simple); prefix matches "
+                            "are exact only against engines that use it too (the simulator)")
 
     @property
     def enabled(self) -> bool:
-        return self._tok is not None
+        return self.spec is not None
+
+    def tokenizer_for(self, model: Any) -> Tokenizer | None:
+        if self._tok is not None or self.spec is None:
+            return self._tok
+        key = model if isinstance(model, str) else ""
+        tok = self._per_model.get(key)
+        if tok is None:
+            path = find_model_tokenizer(key)
+            if path is not None:
+                try:
+                    tok = load_tokenizer(str(path))
+                    log.info("router tokenizer for model %r: %s", key, path)
+                except Exception as exc:  # noqa: BLE001 - a broken file: say so, fall back
+                    log.warning("router tokenizer for model %r: cannot read %s (%s)", key, path, exc)
+            if tok is None:
+                log.warning("router tokenizer for model %r: no tokenizer.json on this machine, using the toy "
+                            "SimpleTokenizer (prefix matches hold only against engines that use it too); "
+                            "set router.tokenizer to the model's tokenizer.json", key)
+                tok = SimpleTokenizer(self.vocab_size)
+            self._per_model[key] = tok
+        return tok
 
     def encode(self, kind: str, body: dict[str, Any]) -> list[int] | None:
-        tok = self._tok
+        """Prompt token ids of an OpenAI request (``kind`` "chat" or "completions"), or ``None``."""
+        tok = self.tokenizer_for(body.get("model"))
         if tok is None:
             return None
-        from simulator.tokenizer import prompt_to_ids
-
         try:
-            if kind == "chat":
-                return tok.encode(tok.apply_chat_template(body["messages"]))
-            return prompt_to_ids(tok, body.get("prompt"), body.get("prompt_token_ids"))
+            return request_to_ids(tok, kind, body)
         except (ValueError, KeyError, TypeError):
+            return None
+
+    def encode_text(self, model: Any, text: str) -> list[int] | None:
+        """Ids of a piece of text inside a prompt (no special tokens), e.g. generated text."""
+        tok = self.tokenizer_for(model)
+        if tok is None:
+            return None
+        try:
+            return tok.encode(text, add_special_tokens=False)
+        except (ValueError, TypeError):
             return None

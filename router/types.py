@@ -38,6 +38,9 @@ class BackendState:
     inflight: int = 0
     active_tokens: int = 0
     pending_prefill_tokens: int = 0
+    # admission: the configured cap, or the engine's announced max_num_seqs
+    max_inflight: int | None = None
+    max_num_seqs: int | None = None
     # health
     health: str = "ok"  # ok | warning | critical
     circuit_open: bool = False

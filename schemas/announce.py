@@ -20,6 +20,7 @@ class EngineAnnouncement(Event):
     devices: list[str] = Field(default_factory=list)
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None
     block_size: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0, description="sequences the engine runs at once")
     ts: float = Field(ge=0)
     state: Literal["up", "draining", "down"] = "up"
     ttl_s: float = Field(default=30.0, gt=0)

@@ -17,9 +17,12 @@ class _Section(BaseModel):
 
 class NatsTls(_Section):
     ca_file: Path | None = None
+    ca_pem: str | None = Field(default=None, description="the CA certificate itself (PEM), e.g. from a Secret")
     cert_file: Path | None = None
     key_file: Path | None = None
     verify: bool = True
+    server_name: str | None = Field(default=None, description="name to verify the server certificate against "
+                                    "(default: the host in the server URL)")
 
 
 class NatsConfig(_Section):
@@ -35,6 +38,12 @@ class NatsConfig(_Section):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_reconnect_attempts: int = -1
     subject_prefix: str | None = Field(default=None, description="root under which all subjects live")
+
+    def __repr_args__(self):  # URLs may hold credentials: printed redacted
+        from schemas.redact import redact_url
+
+        for k, v in super().__repr_args__():
+            yield k, ([redact_url(u) for u in v] if k == "servers" else v)
 
     @field_validator("servers", mode="before")
     @classmethod

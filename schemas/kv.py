@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from schemas.base import Event
 
 U64 = (1 << 64) - 1
+MAX_EPOCH = (1 << 32) - 1  # engine incarnations a bridge can count; more is corrupt input
+MAX_SEQ = (1 << 63) - 1  # vLLM's batch sequence is a signed 64-bit int
 KNOWN_MEDIA = ("GPU", "CPU", "DISK", "LOCAL_FILE", "REMOTE", "STORAGE")
 _MEDIUM_PATTERN = r"^[A-Z][A-Z0-9_]{0,31}$"
 _MEDIUM_RE = re.compile(_MEDIUM_PATTERN)
@@ -182,11 +184,26 @@ class KvEventBatch(Event):
     pod: str = Field(min_length=1)
     model: str = Field(min_length=1)
     dp_rank: int = Field(default=0, ge=0)
-    epoch: int = Field(default=0, ge=0)
-    seq: int = Field(ge=0)
+    epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
+    seq: int = Field(ge=0, le=MAX_SEQ)
     ts: float = Field(ge=0, description="engine timestamp, seconds since the epoch")
     events: list[KvEvent]
 
     @property
     def msg_id(self) -> str:
         return f"{self.pod}:{self.epoch}:{self.seq}"
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "KvEventBatch":
+        """A ``kv.events`` message in either encoding (JSON, or :mod:`schemas.kv_binary`),
+        fully validated; :class:`schemas.ValidationFailure` naming what is wrong."""
+        from schemas import kv_binary
+        from schemas.base import ValidationFailure, decode_event
+
+        if not kv_binary.is_binary(data):
+            return decode_event(cls, data)
+        try:
+            doc = kv_binary.to_dict(kv_binary.decode(data))
+        except ValueError as exc:  # msgspec's DecodeError / ValidationError, a ragged array
+            raise ValidationFailure(cls.__name__, [{"loc": ("binary",), "msg": str(exc)}]) from None
+        return decode_event(cls, doc)

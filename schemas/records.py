@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.base import Event
 
@@ -25,6 +25,65 @@ class CandidateScore(BaseModel):
     overlap_blocks: int = 0
 
 
+class BackendInput(BaseModel):
+    """One backend as the router's snapshot held it when it decided: every field a filter or
+    scorer reads (identity, load, device utilisation, the router's own in-flight counters, health)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pod: str
+    model: str
+    role: str = "aggregated"
+    group: str | None = None
+    pool: str = "default"
+    loras: list[str] = Field(default_factory=list)
+    node: str | None = None
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    num_gpu_blocks: int | None = None
+    cpu_util: float | None = Field(default=None, description="device utilisation in [0,1] (health cpu term)")
+    mem_util: float | None = Field(default=None, description="device memory use in [0,1] (health mem term)")
+    inflight: int = 0
+    active_tokens: int = 0
+    pending_prefill_tokens: int = 0
+    health: str = "ok"
+    circuit_open: bool = False
+    draining: bool = False
+
+
+class DecisionInputs(BaseModel):
+    """Everything ``Router.decide`` read for one request, so replay re-runs it exactly: the
+    strategy's settings (plugins, parameters, weights), the request's routing fields, the prefix
+    overlap per pod read from the KV index, and every backend of the snapshot in order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    now: float
+    strategy: dict[str, Any] = Field(description="the strategy as an EndpointPickerConfig mapping")
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
+    lora: str | None = None
+    cache_salt_set: bool = Field(default=False, description="the request carried a cache_salt (not recorded)")
+    index_model: str | None = None
+    exclude: list[str] = Field(default_factory=list)
+    block_size: int = 16
+    overlap: dict[str, int] = Field(default_factory=dict, description="pod -> reusable prefix blocks (KV index)")
+    prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index)")
+    backends: list[BackendInput] = Field(default_factory=list, description="on the wire also the compact form "
+                                         "{columns: [field, ...], rows: [[value, ...], ...]}")
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _columnar(cls, v: Any) -> Any:
+        if isinstance(v, dict) and set(v) == {"columns", "rows"}:
+            cols = v["columns"]
+            if not isinstance(cols, list) or not isinstance(v["rows"], list):
+                raise ValueError("backends: columns and rows must be lists")
+            return [dict(zip(cols, r)) for r in v["rows"]]
+        return v
+
+
 class RoutingDecision(Event):
     request_id: str = Field(min_length=1)
     ts: float = Field(ge=0)
@@ -35,6 +94,7 @@ class RoutingDecision(Event):
     picked: str | None
     reason: str = ""
     candidates: list[CandidateScore] = Field(default_factory=list)
+    inputs: DecisionInputs | None = Field(default=None, description="what the decision read (first stage only)")
 
 
 class RequestRecord(Event):

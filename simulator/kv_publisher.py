@@ -7,7 +7,7 @@
 * A ROUTER replay socket: a DEALER/REQ client sends ``[b"", start_seq (8 bytes BE)]`` and
   gets ``[b"", topic, seq, payload]`` (vLLM 0.33; ``[b"", seq, payload]`` before) for every
   buffered batch with ``seq >= start_seq``, then the end marker with seq -1 (8-byte signed
-  BE) and an empty payload.
+  BE) and an empty payload (0.33: ``[b"", b"", ff*8, b""]``, the topic slot empty).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from simulator.kv_events import (  # noqa: F401 - re-exported for users of the p
     ArrayBlockRemoved,
     ArrayBlockStored,
     ArrayKVEventBatch,
+    Array22BlockStored,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -61,7 +62,7 @@ class KvEventPublisher:
         self,
         endpoint: str = "tcp://127.0.0.1:0",
         replay_endpoint: str | None = None,
-        topic: str = "kv-events",
+        topic: str = "",
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         *,
@@ -161,10 +162,11 @@ class KvEventPublisher:
             with self._lock:
                 pending = [(s, p) for s, p in self._buffer if s >= start_seq]
             head = (client, b"", self._topic) if self.fmt.replay_topic else (client, b"")
+            end = (client, b"", b"") if self.fmt.replay_topic else (client, b"")  # 0.33: empty topic slot
             try:
                 for seq, payload in pending:
                     sock.send_multipart((*head, seq.to_bytes(8, "big"), payload))
-                sock.send_multipart((*head, END_SEQ, b""))
+                sock.send_multipart((*end, END_SEQ, b""))
             except zmq.ZMQError:
                 if self._closed:
                     return

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from simulator.config import EngineConfig, FaultConfig
 from simulator.engine_core import EngineCore, RemotePrefill, RequestOutput, StepResult, TransferError
 from simulator.kv_publisher import KvEventPublisher
-from simulator.tokenizer import load_tokenizer, prompt_to_ids
+from simulator.tokenizer import load_tokenizer, request_to_ids
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class SimEngine:
         port: int = 0,
         kv_endpoint: str | None = "tcp://127.0.0.1:0",
         replay_endpoint: str | None = "tcp://127.0.0.1:0",
-        kv_topic: str = "kv-events",
+        kv_topic: str = "",  # vLLM's KVEventsConfig.topic default
         time_scale: float = 1.0,
         registry: CollectorRegistry | None = None,
         peers: MutableMapping[str, "SimEngine"] | None = None,
@@ -216,6 +216,9 @@ class SimEngine:
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._set_faults)
         app.router.add_post("/internal/kv/pull", self._kv_pull)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/v1/completions/render", self._render_completion)
         return app
 
     async def start(self) -> "SimEngine":
@@ -710,7 +713,7 @@ class SimEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         try:
-            prompt_ids = prompt_to_ids(self.tokenizer, body.get("prompt"), body.get("prompt_token_ids"))
+            prompt_ids = request_to_ids(self.tokenizer, "completions", body)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
         return await self._generate(request, body, prompt_ids, chat=False)
@@ -721,12 +724,77 @@ class SimEngine:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
         try:
-            prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+            prompt_ids = request_to_ids(self.tokenizer, "chat", body)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         if not prompt_ids:
             raise ApiError(400, "the chat prompt is empty", param="messages")
         return await self._generate(request, body, prompt_ids, chat=True)
+
+
+    # -- vLLM's tokenizer endpoints and the render API (routers call these to key requests) --
+
+    def _check_model(self, body: dict) -> None:
+        if body.get("model") not in (None, self.config.served_model_name):
+            raise ApiError(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        """The ids the engine would run for a completions ``prompt`` or chat ``messages`` body."""
+        try:
+            return request_to_ids(self.tokenizer, "chat" if "messages" in body else "completions", body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages" if "messages" in body else "prompt") from None
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: ``{prompt | messages}`` -> ``{count, max_model_len, tokens}``."""
+        body = await _json_body(request)
+        self._check_model(body)
+        ids = self._prompt_ids(body)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                               "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [self.tokenizer.decode([t]) for t in ids]
+        return web.json_response(out)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``{tokens}`` -> ``{prompt}``."""
+        body = await _json_body(request)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+        if any(t < 0 or t >= self.tokenizer.vocab_size for t in tokens):
+            raise ApiError(400, f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def _render_completion(self, request: web.Request) -> web.Response:
+        """vLLM 0.33's ``POST /v1/completions/render``: a completions request -> a list of
+        ``GenerateRequest`` (``request_id``, ``token_ids``, ``sampling_params`` ...), the
+        tokens the engine would run, without running them."""
+        body = await _json_body(request)
+        self._check_model(body)
+        if body.get("use_beam_search"):
+            raise ApiError(400, "Beam search is not supported by the render endpoint")
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        rendered = []
+        base = f"cmpl-{body.get('request_id') or uuid.uuid4().hex}"
+        for i, p in enumerate(prompts):
+            ids = self._prompt_ids({"prompt": p} if "prompt_token_ids" not in body else body)
+            if not ids:
+                raise ApiError(400, "No token_ids rendered", param="prompt")
+            max_tokens = body.get("max_tokens")
+            if max_tokens is None:
+                max_tokens = max(1, self.config.max_model_len - len(ids))
+            rendered.append({
+                "request_id": base if len(prompts) == 1 else f"{base}-{i}", "token_ids": ids,
+                "features": None, "sampling_params": {
+                    "n": 1, "max_tokens": max_tokens, "temperature": body.get("temperature", 1.0),
+                    "top_p": body.get("top_p", 1.0), "seed": body.get("seed"), "stop": body.get("stop") or []},
+                "model": body.get("model") or self.config.served_model_name, "stream": bool(body.get("stream")),
+                "cache_salt": body.get("cache_salt"), "kv_transfer_params": body.get("kv_transfer_params"),
+            })
+        return web.json_response(rendered)
 
 
 def _usage(out: RequestOutput) -> dict:

@@ -1,21 +1,44 @@
-"""Pluggable tokenizers for the simulated engine.
+"""Tokenizers, chat templates and the one request -> token ids function, as vLLM's OpenAI server.
 
-* :class:`SimpleTokenizer`: deterministic and dependency-free. Words and punctuation become
-  ids by a stable hash (same text, same ids, in every process); ids decode to synthetic
-  syllable words that encode back to the same id, so generated text round-trips.
-* :class:`HFTokenizer`: a Hugging Face ``tokenizer.json`` read from a local path with the
-  ``tokenizers`` library (no downloads); its chat template is used when a
-  ``tokenizer_config.json`` beside it has one and ``jinja2`` is installed, else the simple one.
+* :func:`request_to_ids` is the single place where an OpenAI request body becomes prompt token
+  ids. The simulated engine, the router and the indexer all call it, so the block keys they
+  compute agree. It follows vLLM's OpenAI server (``serving_completion`` / ``serving_chat`` /
+  ``chat_utils``):
 
-:func:`prompt_to_ids` turns the OpenAI ``prompt`` forms (text, list of ints,
-``prompt_token_ids``) into token ids.
+  - ``/v1/completions``: a text prompt is tokenized **with** special tokens (BOS), vLLM's
+    ``add_special_tokens=True`` default for completion requests; a prompt given as token ids is
+    used as it is.
+  - ``/v1/chat/completions``: the chat template is rendered **once**, then tokenized **without**
+    adding special tokens again (vLLM's chat default ``add_special_tokens=False``: the template
+    writes its own BOS). ``add_generation_prompt`` (default true), ``continue_final_message``,
+    ``chat_template_kwargs``, ``tools`` and the request's ``add_special_tokens`` are honoured.
+    Text content parts are joined with ``"\\n"`` (vLLM's "string" content format) unless the
+    template loops over ``message['content']`` ("openai" format: parts passed as they are).
+
+* :class:`HFTokenizer`: a Hugging Face ``tokenizer.json`` (the Rust ``tokenizers`` library, no
+  downloads); its post-processor adds BOS as the model's tokenizer does. The chat template comes
+  from ``chat_template.jinja`` or ``tokenizer_config.json`` beside it and is rendered with the
+  jinja settings transformers uses: sandboxed, ``trim_blocks``, ``lstrip_blocks``, the loop
+  controls extension, a no-op ``{% generation %}`` tag, ``tojson`` without ASCII escaping,
+  ``raise_exception`` and ``strftime_now``; the variables are ``messages``, ``tools``,
+  ``documents``, ``add_generation_prompt``, the special tokens (``bos_token``, ``eos_token``, ...)
+  and the request's ``chat_template_kwargs``.
+* :class:`SimpleTokenizer`: deterministic and dependency-free, for when no model tokenizer
+  exists. Words and punctuation become ids by a stable hash; ids decode to synthetic syllable
+  words that encode back to the same id. Text is cut at whitespace into chunks whose ids are
+  memoized, so prompts that share a prefix (multi-turn chat, shared documents) cost only their
+  new part; the work is linear in the prompt.
+
+A rendered chat is returned as :class:`RenderedChat` (a ``str``), so a caller that only calls
+``encode(text)`` still does not add special tokens to it a second time.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,59 +47,249 @@ import xxhash
 Message = dict[str, Any]
 
 
+class RenderedChat(str):
+    """A prompt rendered by a chat template: its special tokens are already written in it."""
+
+    __slots__ = ()
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> str: ...
 
 
-def _message_text(content: Any) -> str:
-    """OpenAI content: a string or a list of parts (``{"type": "text", "text": ...}``)."""
+def _wants_specials(text: str, add_special_tokens: bool | None) -> bool:
+    """vLLM/HF default: add special tokens to plain text, never to a rendered chat."""
+    if add_special_tokens is None:
+        return not isinstance(text, RenderedChat)
+    return bool(add_special_tokens)
+
+
+# ---------------------------------------------------------------- messages as vLLM parses them
+
+def _content_parts(content: Any) -> list[str]:
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
-        parts = []
+        texts = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
+                texts.append(str(part["text"]))
             else:
-                raise ValueError("only text content parts are supported")
-        return "".join(parts)
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"content part of type {kind!r} is not supported (only text)")
+        return texts
     raise ValueError("message content must be a string or a list of text parts")
 
 
-def simple_chat_template(messages: Sequence[Message]) -> str:
+def _message_text(content: Any) -> str:
+    """OpenAI content as vLLM's "string" format gives it to a template: text parts joined by newlines."""
+    return "\n".join(_content_parts(content))
+
+
+def conversation(messages: Any, content_format: str = "string") -> list[Message]:
+    """The messages handed to a chat template: each a copy with ``content`` normalised to a string
+    ("string" format) or a list of ``{"type": "text", "text": ...}`` ("openai" format)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
     out = []
     for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError("each message needs a role")
-        out.append(f"<|{m['role']}|>\n{_message_text(m.get('content'))}\n")
-    out.append("<|assistant|>\n")
-    return "".join(out)
+        texts = _content_parts(m.get("content"))
+        msg = dict(m)
+        if content_format == "openai":
+            msg["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            msg["content"] = "\n".join(texts)
+        out.append(msg)
+    return out
 
+
+def _final_text(message: Message) -> str:
+    c = message.get("content")
+    if isinstance(c, list):
+        for part in reversed(c):
+            if isinstance(part, dict) and "text" in part:
+                return str(part["text"])
+        raise ValueError("continue_final_message: the final message has no text")
+    return "" if c is None else str(c)
+
+
+def _continue_final(rendered: str, messages: Sequence[Message]) -> str:
+    """transformers' ``continue_final_message``: cut the rendering right after the final message's
+    text, so the model continues it instead of opening a new turn."""
+    final = _final_text(messages[-1]).strip()
+    idx = rendered.rfind(final)
+    if idx < 0:
+        raise ValueError("continue_final_message is set but the final message does not appear in the rendered chat")
+    return rendered[: idx + len(final)]
+
+
+def simple_chat_template(messages: Sequence[Message], add_generation_prompt: bool = True,
+                         continue_final_message: bool = False) -> str:
+    out = []
+    for m in conversation(list(messages)):
+        out.append(f"<|{m['role']}|>\n{m['content']}\n")
+    if add_generation_prompt:
+        out.append("<|assistant|>\n")
+    text = "".join(out)
+    return _continue_final(text, messages) if continue_final_message else text
+
+
+# ---------------------------------------------------------------- jinja as transformers sets it up
+
+def _jinja_env():  # noqa: ANN202
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):  # noqa: ANN001, ANN202
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message):  # noqa: ANN001, ANN202
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # noqa: ANN001, ANN202
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):  # noqa: ANN001, ANN202
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)")
+
+
+def detect_content_format(template: str) -> str:
+    """"openai" when the template iterates over a message's content parts, else "string" (vLLM's
+    ``auto`` content format, approximated by looking for a loop over ``<msg>['content']``)."""
+    return "openai" if _CONTENT_LOOP.search(template) else "string"
+
+
+class ChatTemplate:
+    """A chat template compiled once; :meth:`render` runs it once per request."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, Any] | None = None,
+                 tool_source: str | None = None):
+        env = _jinja_env()
+        self.source = source
+        self._tmpl = env.from_string(source)
+        self._tool_tmpl = env.from_string(tool_source) if tool_source else None
+        self.special_tokens = dict(special_tokens or {})
+        self.content_format = detect_content_format(source)
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, tools: Any = None, documents: Any = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> RenderedChat:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        conv = conversation(list(messages), self.content_format)
+        tmpl = self._tool_tmpl if (tools and self._tool_tmpl is not None) else self._tmpl
+        variables = {**self.special_tokens, **dict(chat_template_kwargs or {})}
+        variables.update(messages=conv, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt)
+        try:
+            text = tmpl.render(**variables)
+        except Exception as exc:  # noqa: BLE001 - jinja errors (raise_exception, bad data) are input errors
+            raise ValueError(f"chat template: {exc}") from None
+        if continue_final_message:
+            text = _continue_final(text, conv)
+        return RenderedChat(text)
+
+
+def _token_text(v: Any) -> Any:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(v, dict):
+        return v.get("content")
+    if isinstance(v, list):
+        return [_token_text(x) for x in v]
+    return v
+
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+                 "additional_special_tokens")
+
+
+def load_chat_template(directory: Path) -> ChatTemplate | None:
+    """The chat template beside a tokenizer: ``chat_template.jinja`` first (transformers saves it
+    there), else ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
+    templates: "default", and "tool_use" for requests with tools)."""
+    cfg: dict[str, Any] = {}
+    cfg_file = directory / "tokenizer_config.json"
+    if cfg_file.is_file():
+        try:
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"{cfg_file}: not JSON ({exc})") from None
+    specials = {k: _token_text(cfg[k]) for k in _SPECIAL_KEYS if cfg.get(k) is not None}
+    source, tool_source = None, None
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        source = jinja_file.read_text(encoding="utf-8")
+    else:
+        tmpl = cfg.get("chat_template")
+        if isinstance(tmpl, str):
+            source = tmpl
+        elif isinstance(tmpl, list):
+            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+            source = named.get("default")
+            tool_source = named.get("tool_use")
+            if source is None and tool_source is not None:
+                source, tool_source = tool_source, None
+    if source is None:
+        return None
+    return ChatTemplate(source, specials, tool_source)
+
+
+# ---------------------------------------------------------------- the toy tokenizer
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
 _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
+_CHUNK = 256  # characters per memoized piece (cut at the next whitespace)
 
 
 class SimpleTokenizer:
-    """Deterministic word/punctuation tokenizer with a configurable vocabulary size."""
+    """Deterministic word/punctuation tokenizer with a configurable vocabulary size.
+
+    No special tokens: ``add_special_tokens`` changes nothing. A token never spans whitespace,
+    so the text is cut at whitespace into ~256-character pieces tokenized on their own and
+    memoized (bounded); a prompt sharing a prefix with an earlier one re-tokenizes only the rest.
+    """
 
     RESERVED = 16  # ids below this are never produced from text
 
-    def __init__(self, vocab_size: int = 32_000):
+    def __init__(self, vocab_size: int = 32_000, memo_pieces: int = 65_536):
         if vocab_size <= self.RESERVED * 2:
             raise ValueError(f"vocab_size must be greater than {self.RESERVED * 2}")
         self.vocab_size = vocab_size
         self._span = vocab_size - self.RESERVED
+        self._memo: dict[str, list[int]] = {}
+        self._memo_max = memo_pieces
+        self._words: dict[str, int] = {}
 
     @staticmethod
     def _syllables(n: int) -> str:
@@ -104,20 +317,51 @@ class SimpleTokenizer:
         return tid if tid < self.vocab_size else None
 
     def token_for_word(self, word: str) -> int:
-        parsed = self._parse(word)
-        if parsed is not None:
-            return parsed
-        return self.RESERVED + xxhash.xxh64_intdigest(word.encode()) % self._span
+        tid = self._words.get(word)
+        if tid is None:
+            tid = self._parse(word)
+            if tid is None:
+                tid = self.RESERVED + xxhash.xxh64_intdigest(word.encode()) % self._span
+            if len(self._words) >= 1 << 18:
+                self._words.clear()
+            self._words[word] = tid
+        return tid
 
-    def encode(self, text: str) -> list[int]:
-        return [self.token_for_word(w) for w in _WORD_RE.findall(text)]
+    def _encode_piece(self, piece: str) -> list[int]:
+        ids = self._memo.get(piece)
+        if ids is None:
+            words = self._words
+            tfw = self.token_for_word
+            ids = [words.get(w) or tfw(w) for w in _WORD_RE.findall(piece)]
+            if len(self._memo) >= self._memo_max:
+                self._memo.clear()  # bounded; a cold start costs one plain tokenization
+            self._memo[piece] = ids
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        n = len(text)
+        if n <= _CHUNK:
+            return list(self._encode_piece(text))
+        out: list[int] = []
+        start = 0
+        find = text.find
+        while start < n:
+            cut = find(" ", start + _CHUNK)
+            if cut < 0:
+                cut = n
+            out += self._encode_piece(text[start:cut])
+            start = cut
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self._syllables(i - self.RESERVED) if i >= self.RESERVED else f"<{i}>" for i in ids)
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> str:
-        return simple_chat_template(messages)
+    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **_: Any) -> RenderedChat:
+        return RenderedChat(simple_chat_template(messages, add_generation_prompt, continue_final_message))
 
+
+# ---------------------------------------------------------------- Hugging Face tokenizer.json
 
 class HFTokenizer:
     """A Hugging Face fast tokenizer from a local ``tokenizer.json`` (file or its directory)."""
@@ -129,57 +373,89 @@ class HFTokenizer:
         file = p / "tokenizer.json" if p.is_dir() else p
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self.path = file
         self._tok = _HF.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size()
-        self._template = None
-        cfg = file.parent / "tokenizer_config.json"
-        if cfg.is_file():
-            try:
-                tmpl = json.loads(cfg.read_text()).get("chat_template")
-            except ValueError:
-                tmpl = None
-            if isinstance(tmpl, str):
-                try:
-                    import jinja2
+        self.chat_template = load_chat_template(file.parent)
 
-                    self._template = jinja2.Environment().from_string(tmpl)
-                except ImportError:
-                    self._template = None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=_wants_specials(text, add_special_tokens)).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> str:
-        if self._template is not None:
-            return self._template.render(messages=list(messages), add_generation_prompt=True)
-        return simple_chat_template(messages)
+    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, tools: Any = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None, **_: Any) -> RenderedChat:
+        if self.chat_template is None:
+            return RenderedChat(simple_chat_template(messages, add_generation_prompt, continue_final_message))
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tools=tools,
+                                         chat_template_kwargs=chat_template_kwargs)
 
 
 def load_tokenizer(spec: str | None, vocab_size: int = 32_000) -> Tokenizer:
-    """``None``/``"simple"`` -> :class:`SimpleTokenizer`; anything else is a local path."""
+    """``None``/``"simple"`` -> :class:`SimpleTokenizer`; anything else is a local path to a
+    ``tokenizer.json`` or its directory."""
     if spec is None or spec == "simple":
         return SimpleTokenizer(vocab_size)
     return HFTokenizer(spec)
 
 
-def prompt_to_ids(tokenizer: Tokenizer, prompt: Any = None, prompt_token_ids: Any = None) -> list[int]:
-    """Token ids of an OpenAI-style prompt: text, a list of ints, a one-element list of
-    either, or an explicit ``prompt_token_ids``. Raises ``ValueError`` on anything else."""
+# ---------------------------------------------------------------- requests -> ids
+
+def prompt_to_ids(tokenizer: Tokenizer, prompt: Any = None, prompt_token_ids: Any = None,
+                  add_special_tokens: bool = True) -> list[int]:
+    """Token ids of an OpenAI completions prompt: text (tokenized with special tokens, as vLLM's
+    completions default), a list of ints (used as is), a one-element list of either, or an
+    explicit ``prompt_token_ids``. Raises ``ValueError`` on anything else."""
     if prompt_token_ids is not None:
         prompt = prompt_token_ids
     if prompt is None:
         raise ValueError("a prompt is required")
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(str(prompt), add_special_tokens=add_special_tokens)
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            return prompt_to_ids(tokenizer, prompt[0])
+            return prompt_to_ids(tokenizer, prompt[0], add_special_tokens=add_special_tokens)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise ValueError(f"token ids must be in [0, {tokenizer.vocab_size})")
             return list(prompt)
         raise ValueError("prompt must be a string or a list of token ids (batched prompts are not supported)")
     raise ValueError("prompt must be a string or a list of token ids")
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"'{key}' must be a boolean")
+    return v
+
+
+def render_chat(tokenizer: Tokenizer, body: Mapping[str, Any]) -> RenderedChat:
+    """The chat prompt text of a ``/v1/chat/completions`` body, rendered once."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError("'chat_template_kwargs' must be an object")
+    text = tokenizer.apply_chat_template(
+        body.get("messages"), add_generation_prompt=_flag(body, "add_generation_prompt", True),
+        continue_final_message=_flag(body, "continue_final_message", False), tools=body.get("tools"),
+        chat_template_kwargs=kwargs)
+    return text if isinstance(text, RenderedChat) else RenderedChat(text)
+
+
+def request_to_ids(tokenizer: Tokenizer, kind: str, body: Mapping[str, Any]) -> list[int]:
+    """Prompt token ids of an OpenAI request as vLLM's OpenAI server computes them.
+
+    ``kind`` is ``"chat"`` for ``/v1/chat/completions`` (template rendered once, special tokens
+    not added again unless the body says ``add_special_tokens: true``) or anything else for
+    ``/v1/completions`` (text tokenized with special tokens unless ``add_special_tokens: false``).
+    Raises ``ValueError`` on a body that cannot be tokenized."""
+    if kind == "chat":
+        text = render_chat(tokenizer, body)
+        return tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
+    return prompt_to_ids(tokenizer, body.get("prompt"), body.get("prompt_token_ids"),
+                         add_special_tokens=_flag(body, "add_special_tokens", True))

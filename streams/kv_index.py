@@ -19,6 +19,17 @@ Data structure
 Deliberate handling of bad input (counted in :class:`ApplyStats`, never corrupting)
     * a batch whose ``(epoch, seq)`` is not newer than the pod's last one is dropped
       (redelivery, replay); a skipped sequence is counted as a gap but applied;
+    * with ``reorder_window_s`` set, a batch that skips a sequence (or starts a new epoch past
+      seq 0) is held back, per pod, until the missing ones arrive -- then all are applied in
+      order -- or until it has waited ``reorder_window_s`` (then the gap is accepted). A
+      message stream stored out of order (a publisher's retry after a broker restart) thus
+      folds in the engine's order. :meth:`release_expired` applies what has waited long enough
+      (a service calls it periodically);
+    * an empty batch at the pod's current ``(epoch, seq)`` is a heartbeat: it refreshes the
+      pod's ``last_seen`` (see ``pod_timeout_s``) and changes nothing else;
+    * an epoch above ``MAX_EPOCH`` (2**32-1), a seq above ``MAX_SEQ`` (2**63-1), or an epoch
+      more than ``MAX_EPOCH_JUMP`` above the pod's is dropped (``out_of_bounds``): one corrupt
+      batch cannot make every later real batch look stale;
     * a newer ``epoch`` means the engine restarted: the pod's blocks are dropped first;
     * ``BlockStored`` whose parent the pod does not hold is skipped (its keys cannot be
       computed); removals of unknown blocks are counted and ignored; a block stored twice is
@@ -55,7 +66,7 @@ from typing import NamedTuple
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from schemas.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
+from schemas.kv import MAX_EPOCH, MAX_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
 from streams import kv_core as core
 from streams.clock import Clock, ManualClock
 from streams.kv_keys import lora_seed
@@ -64,6 +75,7 @@ PRIMARY_TIER = "GPU"
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "LOCAL_FILE": 0.5, "REMOTE": 0.3}
 _U64 = (1 << 64) - 1
 _DUMP_CHUNK = 4096  # blocks per BlockStored event of a dump
+MAX_EPOCH_JUMP = 1 << 16  # a bridge adds one per engine restart; a larger jump is corrupt input
 
 
 # --------------------------------------------------------------------------------------- keys
@@ -149,6 +161,9 @@ class ApplyStats:
     cleared: int = 0  # AllBlocksCleared events
     gone: int = 0  # PodGone events
     rejected: int = 0  # events rejected (block size differs from the model's)
+    held: int = 0  # batches held back until an earlier missing one arrives (reordering on)
+    heartbeats: int = 0  # empty batches at the pod's position: liveness refreshed, nothing applied
+    out_of_bounds: int = 0  # batches with an epoch or seq past the bounds, or an epoch jump: dropped
 
     def __iadd__(self, other: "ApplyStats") -> "ApplyStats":
         # once per applied batch: read every count in C, touch only the few that moved
@@ -335,7 +350,14 @@ class KvIndex:
     def __init__(self, clock: Clock, *, tier_weights: dict[str, float] | None = None,
                  predicted_ttl_s: float = 120.0, predict_on_route_ttl_s: float = 2.0,
                  pod_timeout_s: float | None = None, predicted_weight: float = 1.0,
-                 default_block_size: int | None = None):
+                 default_block_size: int | None = None, reorder_window_s: float = 0.0,
+                 reorder_max: int = 4096):
+        if reorder_window_s < 0 or reorder_max < 1:
+            raise ValueError("reorder_window_s must be >= 0 and reorder_max >= 1")
+        self.reorder_window_s = reorder_window_s
+        self.reorder_max = reorder_max
+        # pod -> {(epoch, seq): (batch, deadline)}: batches waiting for an earlier one
+        self._waiting: dict[str, dict[tuple[int, int], tuple[KvEventBatch, float]]] = {}
         if predicted_ttl_s <= 0 or predict_on_route_ttl_s <= 0:
             raise ValueError("prediction TTLs must be positive")
         if pod_timeout_s is not None and pod_timeout_s <= 0:
@@ -462,6 +484,7 @@ class KvIndex:
         if p is None:
             return
         self._clear_pod(p)
+        self._waiting.pop(pod, None)
         del self._pods[pod]
         self._clear_predictions(p)
         del self._by_slot[p.slot]
@@ -506,7 +529,87 @@ class KvIndex:
 
     def _apply(self, batch: KvEventBatch, st: ApplyStats, now: float) -> None:
         st.batches += 1
+        epoch, seq = batch.epoch, batch.seq
+        if not (0 <= epoch <= MAX_EPOCH and 0 <= seq <= MAX_SEQ):
+            st.out_of_bounds += 1
+            return
         name = batch.pod
+        pod = self._pods.get(name)
+        if pod is not None and pod.epoch is not None:
+            if epoch > pod.epoch + MAX_EPOCH_JUMP:
+                st.out_of_bounds += 1
+                return
+            if self.reorder_window_s and (epoch, seq) > (pod.epoch, pod.seq) and not (
+                    (epoch == pod.epoch and seq == pod.seq + 1) or (epoch > pod.epoch and seq == 0)):
+                w = self._waiting.get(name)
+                if w is None:
+                    w = self._waiting[name] = {}
+                if (epoch, seq) in w:
+                    st.stale_batches += 1  # a copy of one already waiting
+                    return
+                w[(epoch, seq)] = (batch, now + self.reorder_window_s)
+                st.held += 1
+                if len(w) > self.reorder_max:
+                    self._release(name, st, now, force=True)
+                return
+        self._apply_now(batch, st, now)
+        if self._waiting and name in self._waiting:
+            self._release(name, st, now)
+
+    def _release(self, name: str, st: ApplyStats, now: float, force: bool = False) -> None:
+        """Apply the pod's waiting batches that are next in order (or have waited long enough,
+        or all of them with ``force``), lowest ``(epoch, seq)`` first."""
+        w = self._waiting.get(name)
+        while w:
+            k = min(w)
+            batch, deadline = w[k]
+            pod = self._pods.get(name)
+            nxt = (pod is None or pod.epoch is None or (k[0] == pod.epoch and k[1] == pod.seq + 1)
+                   or (k[0] > pod.epoch and k[1] == 0) or k <= (pod.epoch, pod.seq))
+            if not (nxt or force or deadline <= now):
+                break
+            del w[k]
+            self._apply_now(batch, st, now)
+        if not w:
+            self._waiting.pop(name, None)
+
+    def release_expired(self) -> ApplyStats:
+        """Apply the batches that have waited ``reorder_window_s`` for an earlier one (the gap
+        is then accepted); returns what happened (also added to :attr:`totals`)."""
+        st = ApplyStats()
+        if not self._waiting:
+            return st
+        now = self.clock.now()
+        self._st = st
+        try:
+            for name in list(self._waiting):
+                w = self._waiting.get(name)
+                if w and min(d for _, d in w.values()) <= now:
+                    self._release(name, st, now)
+            self._flush()
+        finally:
+            if self._ops.parents:
+                self._ops = _Ops(self._ops.model)
+            self._st = None
+        self.totals += st
+        return st
+
+    def waiting(self) -> list[tuple[str, int, int]]:
+        """``(pod, epoch, seq)`` of every batch held back for an earlier one."""
+        return [(name, e, s) for name, w in self._waiting.items() for (e, s) in w]
+
+    @property
+    def waiting_count(self) -> int:
+        return sum(len(w) for w in self._waiting.values()) if self._waiting else 0
+
+    def _apply_now(self, batch: KvEventBatch, st: ApplyStats, now: float) -> None:
+        name = batch.pod
+        if not batch.events:
+            p = self._pods.get(name)
+            if p is not None and p.epoch == batch.epoch and p.seq == batch.seq:
+                st.heartbeats += 1  # a bridge's heartbeat: the pod is alive, nothing changed
+                p.last_seen = now
+                return
         if self._gone:
             tomb = self._gone.get(name)
             if tomb is not None:

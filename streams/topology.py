@@ -140,3 +140,43 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if tok != "*" and tok != s[i]:
             return False
     return len(p) == len(s)
+
+
+def subject_intersection(a: str, b: str) -> str | None:
+    """The subjects two filters (NATS wildcards allowed) have in common, as one filter, or None.
+
+    ``router.>`` and ``router.requests.>`` -> ``router.requests.>``; ``router.*.p`` and
+    ``router.requests.>`` -> ``router.requests.p``; ``kv.>`` and ``engine.>`` -> None."""
+    x, y = a.split("."), b.split(".")
+    out: list[str] = []
+    for i in range(max(len(x), len(y))):
+        p = x[i] if i < len(x) else None
+        q = y[i] if i < len(y) else None
+        if p == ">":
+            out.extend(y[i:] if q is not None else [])
+            return ".".join(out) if q is not None else None
+        if q == ">":
+            out.extend(x[i:] if p is not None else [])
+            return ".".join(out) if p is not None else None
+        if p is None or q is None:
+            return None
+        if p == "*":
+            out.append(q)
+        elif q == "*" or p == q:
+            out.append(p)
+        else:
+            return None
+    return ".".join(out)
+
+
+def history_filters(topology: tuple[StreamSpec, ...], subject: str) -> list[tuple[StreamSpec, str]]:
+    """Each stream holding part of ``subject`` (wildcards allowed, possibly spanning streams), with
+    the consumer filter that selects that part: ``router.>`` -> (ROUTER, ``router.requests.>``),
+    (ROUTER, ``router.decisions.>``). Empty when no stream stores any of it."""
+    out = []
+    for spec in topology:
+        for pattern in spec.subjects:
+            f = subject_intersection(pattern, subject)
+            if f is not None:
+                out.append((spec, f))
+    return out

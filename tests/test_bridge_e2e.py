@@ -53,14 +53,14 @@ async def collect(js, stream, subject, n, timeout=30.0):
         except Exception:  # noqa: BLE001 - fetch timeout: poll again
             continue
         for m in msgs:
-            out.append((m.headers.get("Nats-Msg-Id"), KvEventBatch.from_json(m.data)))
+            out.append((m.headers.get("Nats-Msg-Id"), KvEventBatch.from_bytes(m.data)))
             await m.ack()
     # nothing more should arrive (every batch exactly once)
     try:
         extra = await sub.fetch(10, timeout=1.0)
     except Exception:  # noqa: BLE001
         extra = []
-    out.extend((m.headers.get("Nats-Msg-Id"), KvEventBatch.from_json(m.data)) for m in extra)
+    out.extend((m.headers.get("Nats-Msg-Id"), KvEventBatch.from_bytes(m.data)) for m in extra)
     return out
 
 

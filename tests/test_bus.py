@@ -82,3 +82,54 @@ async def test_connect_error_is_clear():
 
     with pytest.raises(ConnectionError, match="cannot connect to NATS"):
         await bus.connect(NatsConfig(servers=[f"nats://127.0.0.1:{free_port()}"], connect_timeout_s=0.5))
+
+
+async def test_dead_letter_is_bounded_and_one_per_message(nc, prefix, topology):
+    """A message near max_payload gets a dead letter that fits; two consumers rejecting the same
+    message (same stream sequence) leave one letter; a different message leaves another."""
+    import base64
+    import hashlib
+
+    from prometheus_client import CollectorRegistry
+
+    from schemas import DeadLetter, decode_event
+
+    js = nc.jetstream()
+    reg = CollectorRegistry()
+    a = bus.DeadLetters(js, consumer="indexer", registry=reg, prefix=prefix)
+    b = bus.DeadLetters(js, consumer="router", registry=CollectorRegistry(), prefix=prefix)
+    big = bytes(range(256)) * (nc.max_payload // 256 - 16)  # just under the server's max_payload
+    assert await a.send("kv-events", "kv.events.m.p", big, "not JSON", stream_seq=41)
+    assert await b.send("kv-events", "kv.events.m.p", big, "not JSON", stream_seq=41)
+    assert await b.send("kv-events", "kv.events.m.p", b"x", "not JSON", stream_seq=42)
+    info = await js.stream_info(f"{prefix.upper()}_DLQ")
+    assert info.state.messages == 2
+    sub = await js.subscribe(S.with_prefix(prefix, "dlq.>"), ordered_consumer=True,
+                             config=__import__("nats").js.api.ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    msg = await sub.next_msg(timeout=5)
+    await sub.unsubscribe()
+    assert len(msg.data) < 32 * 1024
+    letter = decode_event(DeadLetter, msg.data)
+    assert letter.truncated and letter.payload_size == len(big) and letter.stream_seq == 41
+    assert letter.payload_sha256 == hashlib.sha256(big).hexdigest()
+    assert base64.b64decode(letter.payload) == big[:16 * 1024]
+    assert msg.headers["Nats-Msg-Id"] == "dlq:kv-events:41"
+
+
+async def test_failed_dead_letter_is_counted_not_raised(nc, prefix):
+    """No DLQ stream (nothing stores dlq.>): send returns False at once-ish, counts a failure and
+    does not count a dead letter."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    dl = bus.DeadLetters(nc.jetstream(), consumer="c", registry=reg, prefix=prefix, timeout_s=1.0)
+    t0 = time.monotonic()
+    assert await dl.send("kv-events", "kv.events.m.p", b"junk", "bad") is False
+    assert time.monotonic() - t0 < 3
+    assert dl.failed == 1 and dl.count == 0
+    assert reg.get_sample_value("infernex_dead_letter_publish_failures_total",
+                                {"stream": "kv-events", "consumer": "c"}) == 1
+    assert reg.get_sample_value("infernex_dead_letters_total",
+                                {"stream": "kv-events", "consumer": "c", "reason": "invalid"}) is None

@@ -282,9 +282,46 @@ def test_service_monitors_scrape_existing_ports(values):
         assert m["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     control = {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in services
                if s["metadata"]["labels"].get("infernex.io/metrics") == "true"}
-    # With embedded chDB the planner runs inside the SLA sink; the device collector serves no
-    # /metrics unless diagnosis.collector.metricsPort is set.
-    assert control == {"router", "indexer", "diagnosis", "sla-sink"}
+    # With embedded chDB the planner runs inside the SLA sink; the device collector serves
+    # /metrics (and its probes) on diagnosis.collector.metricsPort.
+    assert control == {"router", "indexer", "diagnosis", "sla-sink", "device-collector"}
+
+
+INFERNEX_PROBE_PATHS = {"/healthz", "/readyz"}  # what consumers.health / the router / the indexer serve
+
+
+@pytest.mark.parametrize("values", ALL_VALUES)
+def test_every_container_has_probes_that_check_something(values):
+    """Every long-running container is probed (issue 21: the sidecars had none); InferNex
+    containers on /healthz and /readyz (which check NATS, lag, frames), never /metrics (which
+    answers 200 whatever the state), on a declared port that the container's args serve on."""
+    docs = rendered(values)
+    seen = 0
+    for w in docs:
+        if w["kind"] not in ("Deployment", "StatefulSet", "DaemonSet"):
+            continue
+        for c in pod_spec(w)["containers"]:
+            where = f"{w['kind']}/{w['metadata']['name']} container {c['name']}"
+            assert "livenessProbe" in c, f"{where}: no livenessProbe"
+            if "/infernex:" not in c["image"]:
+                continue
+            seen += 1
+            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            for kind in ("livenessProbe", "readinessProbe"):
+                if kind not in c:
+                    continue
+                get = c[kind]["httpGet"]
+                assert get["path"] in INFERNEX_PROBE_PATHS, f"{where}: {kind} on {get['path']}"
+                assert get["port"] in ports, f"{where}: {kind} port {get['port']} is not declared"
+                flags = [f for f in ("--metrics-port", "--http-port", "--port") if f in c["args"]]
+                served = arg_value(c["args"], flags[0]) if flags else None
+                if served is not None:
+                    assert int(served) == ports[get["port"]], f"{where}: probes {ports[get['port']]}, serves {served}"
+            assert c["livenessProbe"]["httpGet"]["path"] == "/healthz", where
+            if c["name"] not in ("kv-bridge", "metrics-collector") and not c["name"].startswith("kv-bridge-dp"):
+                # a sidecar's readiness would gate its engine on NATS; the others must be ready-checked
+                assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", where
+    assert seen >= 6
 
 
 def test_nats_production_cluster(tmp_path):
@@ -302,9 +339,16 @@ def test_nats_production_cluster(tmp_path):
     # nats-server itself accepts the configuration.
     binary = _nats_server()
     path = tmp_path / "nats.conf"
-    path.write_text(conf.replace("store_dir: /data", f"store_dir: {tmp_path}"))
+    import base64
+
+    # its users' passwords come from the environment, its certificate from the TLS Secret
+    users = one(docs, "Secret", "infernex-nats-auth")["data"]
+    env = {k.upper().replace("-", "_") + "_PASSWORD": base64.b64decode(v).decode() for k, v in users.items()}
+    for name, data in one(docs, "Secret", "infernex-nats-tls")["data"].items():
+        (tmp_path / name).write_bytes(base64.b64decode(data))
+    path.write_text(conf.replace("store_dir: /data", f"store_dir: {tmp_path}").replace("/etc/nats-tls", str(tmp_path)))
     proc = subprocess.run([binary, "-c", str(path), "-t"], capture_output=True, text=True, timeout=30,
-                          env={"SERVER_NAME": "infernex-nats-0", "PATH": "/usr/bin:/bin"})
+                          env={"SERVER_NAME": "infernex-nats-0", "PATH": "/usr/bin:/bin", **env})
     assert proc.returncode == 0, proc.stderr + proc.stdout
 
 

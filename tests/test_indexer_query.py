@@ -132,7 +132,7 @@ def test_snapshots_of_the_old_key_scheme_are_refused(setup):
 @pytest.fixture(params=["lists", "raw"])
 def fast_path(request, monkeypatch):
     """Both fast decoders: msgspec-built lists (small messages) and the native array parse (large)."""
-    import consumers.indexer as ix
+    import consumers.index_codec as ix
 
     monkeypatch.setattr(ix, "RAW_PARSE_MIN_BYTES", 0 if request.param == "raw" else 1 << 30)
     return request.param

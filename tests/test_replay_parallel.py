@@ -126,7 +126,7 @@ async def test_reader_recreates_a_deleted_consumer(nc, prefix, topology):
     stats: dict[str, int] = {}
     async for run in read_window_batches(nc, topology, ["kv.events.>"], prefix=prefix, buffer=16, heartbeat_s=0.5,
                                          stats=stats):
-        seqs.extend(KvEventBatch.from_json(m.data).seq for m in run)
+        seqs.extend(KvEventBatch.from_bytes(m.data).seq for m in run)
         if not deleted and len(seqs) >= 50:
             # pull the consumer away mid-read: the reader notices the silence and resumes
             for name in [c.name async for c in _consumers(js, stream)]:

@@ -115,11 +115,11 @@ async def test_stream_is_not_buffered():
 
 
 @pytest.mark.parametrize("body,status,code", [
-    (b"{not json", 400, 400),
-    (b"[1,2]", 400, 400),
-    (b'{"messages": [{"role": "user", "content": "x"}]}', 400, 400),
-    (b'{"model": "m", "messages": []}', 400, 400),
-    (b'{"model": "m", "messages": [{"role":"user","content":"x"}], "max_tokens": -3}', 400, 400),
+    (b"{not json", 400, "invalid_json"),
+    (b"[1,2]", 400, "invalid_request"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "invalid_value"),
+    (b'{"model": "m", "messages": []}', 400, "invalid_value"),
+    (b'{"model": "m", "messages": [{"role":"user","content":"x"}], "max_tokens": -3}', 400, "invalid_value"),
     (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found"),
 ])
 async def test_bad_requests_get_openai_errors(two, body, status, code):

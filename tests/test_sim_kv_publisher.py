@@ -26,7 +26,7 @@ def ctx():
     c.destroy(linger=0)
 
 
-def _sub(ctx, endpoint, topic=b"kv-events"):
+def _sub(ctx, endpoint, topic=b""):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
     sub.setsockopt(zmq.LINGER, 0)
@@ -46,30 +46,36 @@ def _publish_until_received(pub, sub, events):
 
 @pytest.mark.parametrize("fmt", ["0.33", "0.22"])
 def test_frames_are_vllm_encoded(ctx, fmt):
-    """vLLM 0.33: an array batch [ts, events, dp_rank] of tagged map events; 0.22: a map batch."""
+    """Every release: an array batch [ts, events, dp_rank]; vLLM 0.33's events are tagged maps,
+    0.22's tagged arrays in 0.22's field order (see tests/test_sim_vllm_parity.py for the
+    byte-for-byte comparison with vLLM's own encoder)."""
     with KvEventPublisher("tcp://127.0.0.1:0", fmt=fmt) as pub:
         assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
         sub = _sub(ctx, pub.endpoint)
         ev = [block_stored([11, 12], None, list(range(8)), 4), block_removed([7]), AllBlocksCleared()]
         topic, seq_bytes, payload = _publish_until_received(pub, sub, ev)
-        assert topic == b"kv-events"
+        assert topic == b""  # vLLM's default topic
         assert len(seq_bytes) == 8
         first_seq = int.from_bytes(seq_bytes, "big")
         raw = msgpack.unpackb(payload)
-        if fmt == "0.33":
-            assert isinstance(raw, list) and len(raw) == 3
-            raw = dict(zip(("ts", "events", "data_parallel_rank"), raw))
-        assert set(raw) == {"ts", "events", "data_parallel_rank"}
+        assert isinstance(raw, list) and len(raw) == 3
+        raw = dict(zip(("ts", "events", "data_parallel_rank"), raw))
         assert raw["data_parallel_rank"] == 0
         assert abs(raw["ts"] - time.time()) < 60
         stored, removed, cleared = raw["events"]
-        assert stored == {
-            "type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
-            "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
-            "lora_name": None,
-        }
-        assert removed == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
-        assert cleared == {"type": "AllBlocksCleared"}
+        if fmt == "0.33":
+            assert stored == {
+                "type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+                "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
+                "lora_name": None,
+            }
+            assert removed == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+            assert cleared == {"type": "AllBlocksCleared"}
+        else:
+            # array_like structs encode every field, defaults too (msgspec ignores omit_defaults there)
+            assert stored == ["BlockStored", [11, 12], None, list(range(8)), 4, None, "GPU", None, None, None, None, None]
+            assert removed == ["BlockRemoved", [7], "GPU", None]
+            assert cleared == ["AllBlocksCleared"]
         # next publish gets the next sequence number
         seq = pub.publish([block_removed([1])])
         assert seq == pub.next_seq - 1
@@ -102,7 +108,7 @@ def _replay_frame(frames, fmt):
     """(empty, seq, payload) of one replay reply; vLLM 0.33 puts the topic before the seq."""
     if fmt == "0.33":
         empty, topic, seq_b, payload = frames
-        assert topic == b"kv-events"
+        assert topic == b""  # vLLM's default topic; the end marker's topic slot is always empty
         return empty, seq_b, payload
     return tuple(frames)
 
@@ -121,9 +127,11 @@ def test_replay_returns_buffered_batches_then_end_marker(ctx, fmt):
         got = []
         while True:
             assert dealer.poll(20_000), "replay did not answer"
-            empty, seq_b, payload = _replay_frame(dealer.recv_multipart(), fmt)
+            frames = dealer.recv_multipart()
+            empty, seq_b, payload = _replay_frame(frames, fmt)
             assert empty == b""
             if seq_b == END_SEQ:
+                assert frames == ([b"", b"", END_SEQ, b""] if fmt == "0.33" else [b"", END_SEQ, b""])
                 assert payload == b""
                 break
             got.append((int.from_bytes(seq_b, "big"), decode_batch(payload).events[0].block_hashes))

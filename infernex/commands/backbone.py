@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
+from infernex.commands.common import busy_port, fail, parse_since, port_in_use
 from infernex.commands.common import run_async as _run
 from rich.table import Table
 
@@ -24,7 +23,7 @@ from infernex.settings import Settings
 from schemas import ValidationFailure, decode_event
 from schemas import subjects as S
 from schemas.registry import model_for_subject
-from streams.topology import build_topology, stream_for_subject
+from streams.topology import build_topology
 
 console = Console()
 err = Console(stderr=True)
@@ -89,7 +88,12 @@ def _read_payload(payload: str) -> bytes:
     if payload == "-":
         return sys.stdin.buffer.read()
     if payload.startswith("@"):
-        return Path(payload[1:]).read_bytes()
+        path = Path(payload[1:])
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            fail(f"cannot read {path}: {exc.strerror or exc} (give JSON text, @FILE of a readable file, "
+                 "or - for stdin)", code=2)
     return payload.encode()
 
 
@@ -126,30 +130,23 @@ def pub(
     console.print(f"published to {ack.stream} seq {ack.seq}" + (" (duplicate)" if ack.duplicate else ""))
 
 
-_DUR = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-
-
-def parse_since(value: str, now: float | None = None) -> datetime:
-    """``10m``, ``2h``, ``1d`` ago, or an ISO-8601 time."""
-    now = time.time() if now is None else now
-    m = _DUR.match(value.strip())
-    if m:
-        secs = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-        return datetime.fromtimestamp(now - secs, tz=timezone.utc)
-    try:
-        dt = datetime.fromisoformat(value)
-    except ValueError:
-        raise typer.BadParameter(f"{value!r} is neither a duration like 10m nor an ISO time") from None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+__all__ = ["parse_since"]  # the one parser lives in infernex.commands.common
 
 
 def format_event(subject: str, data: bytes, seq: int | None, raw: bool) -> str:
     head = f"[{seq}] " if seq is not None else ""
+    from schemas import kv_binary
+
     if raw:
+        if kv_binary.is_binary(data):  # binary KV batches are shown as their JSON, never as msgpack bytes
+            try:
+                return f"{head}{subject} {json.dumps(kv_binary.to_dict(kv_binary.decode(data)), separators=(',', ':'))}"
+            except ValueError as exc:
+                return f"{head}{subject} <undecodable binary: {exc}> {data[:200]!r}"
         return f"{head}{subject} {data.decode(errors='replace')}"
     try:
         model = model_for_subject(subject)
-        event = decode_event(model, data)
+        event = model.from_bytes(data) if hasattr(model, "from_bytes") else decode_event(model, data)
         body = event.model_dump(mode="json", exclude_none=True)
         body.pop("schema_version", None)
         return f"{head}{subject} {model.__name__} {json.dumps(body, separators=(',', ':'))}"
@@ -160,7 +157,7 @@ def format_event(subject: str, data: bytes, seq: int | None, raw: bool) -> str:
 def tail(
     ctx: typer.Context,
     subjects: list[str] = typer.Argument(..., help="subjects or wildcards, e.g. 'kv.events.>'"),
-    since: Optional[str] = typer.Option(None, "--since", help="start at a time: 10m, 2h, or ISO-8601"),
+    since: Optional[str] = typer.Option(None, "--since", help="start at a time: 10m, 1h30m, 2d ago, or ISO-8601"),
     from_seq: Optional[int] = typer.Option(None, "--from-seq", help="start at a stream sequence"),
     new_only: bool = typer.Option(False, "--new", help="only messages published from now on"),
     raw: bool = typer.Option(False, "--raw", help="print payloads as they are"),
@@ -170,6 +167,7 @@ def tail(
     settings = _settings(ctx)
     prefix = settings.nats.subject_prefix
     topo = _topology(settings)
+    start_time = parse_since(since) if since is not None else None  # a bad value fails before connecting
 
     async def go():
         from nats.js.api import DeliverPolicy
@@ -178,10 +176,13 @@ def tail(
         js = nc.jetstream()
         queue: asyncio.Queue = asyncio.Queue()
         subs = []
+        from streams.topology import history_filters
+
         for subj in subjects:
             full = S.with_prefix(prefix, subj)
-            spec = stream_for_subject(topo, full)
-            if spec is None:
+            # a wildcard may span streams (router.> = requests + decisions): history from each part
+            parts = history_filters(topo, full)
+            if not parts:
                 subs.append(await nc.subscribe(full, cb=queue.put))
                 continue
             kw = {}
@@ -189,15 +190,16 @@ def tail(
                 kw = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": from_seq}
             elif since is not None:
                 kw = {"deliver_policy": DeliverPolicy.BY_START_TIME,
-                      "opt_start_time": parse_since(since).isoformat().replace("+00:00", "Z")}
+                      "opt_start_time": start_time.isoformat().replace("+00:00", "Z")}
             elif new_only:
                 kw = {"deliver_policy": DeliverPolicy.NEW}
             else:
                 kw = {"deliver_policy": DeliverPolicy.ALL}
             from nats.js.api import ConsumerConfig
 
-            subs.append(await js.subscribe(full, cb=queue.put, ordered_consumer=True, stream=spec.name,
-                                           config=ConsumerConfig(**kw)))
+            for spec, part in parts:
+                subs.append(await js.subscribe(part, cb=queue.put, ordered_consumer=True, stream=spec.name,
+                                               config=ConsumerConfig(**kw)))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -233,13 +235,21 @@ def up(
     """Start the local all-in-one: embedded NATS with the topology applied. Ctrl-C stops it."""
     settings = _settings(ctx)
     store = store_dir or settings.embedded_nats.store_dir
+    host = settings.embedded_nats.host
+    if port_in_use(host, port):
+        fail(busy_port("cannot start NATS", host, port))
     try:
-        server = EmbeddedNats(store, host=settings.embedded_nats.host, port=port,
-                              binary=settings.embedded_nats.binary)
+        server = EmbeddedNats(store, host=host, port=port, binary=settings.embedded_nats.binary)
     except NatsBinaryMissing as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    server.start()
+        fail(str(exc))
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as exc:
+        lines = [ln for ln in str(exc).splitlines() if "[FTL]" in ln or "[ERR]" in ln]
+        reason = lines[-1].split("]", 2)[-1].strip() if lines else str(exc).splitlines()[0]
+        if "address already in use" in reason:
+            fail(busy_port("cannot start NATS", host, port))
+        fail(f"nats-server did not start: {reason} (log: {server.log_file})")
     try:
         local = settings.model_copy(update={"nats": settings.nats.model_copy(update={"servers": [server.url]})})
         results = _run(_apply(local))

@@ -43,6 +43,7 @@ def diagnose(
     ctx: typer.Context,
     rules: Optional[list[Path]] = RULES_OPT,
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus /metrics here"),
+    metrics_host: Optional[str] = typer.Option(None, "--metrics-host", help="address the metrics port binds"),
     durable: Optional[str] = typer.Option(None, "--durable", help="durable consumer name"),
     from_start: bool = typer.Option(False, "--from-start", help="a new durable reads the stored telemetry too"),
 ) -> None:
@@ -55,6 +56,8 @@ def diagnose(
         update["rules_files"] = [*settings.diagnosis.rules_files, *rules]
     if metrics_port is not None:
         update["metrics_port"] = metrics_port
+    if metrics_host is not None:
+        update["metrics_host"] = metrics_host
     if durable:
         update["durable"] = durable
     if from_start:
@@ -63,18 +66,22 @@ def diagnose(
     ruleset = _rules(cfg.rules_files)
 
     async def run() -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         from consumers.diagnosis import DiagnosisService
+        from consumers.health import Health, lag_check, nats_check, serve, tasks_check
         from streams.topology import build_topology
 
         registry = CollectorRegistry()
+        health = Health("diagnose", expect=("nats", "consumer_lag"))
         if cfg.metrics_port is not None:
-            start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=registry)
-            console.print(f"metrics on http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
+            await serve(health, cfg.metrics_port, host=cfg.metrics_host, registry=registry)
+            console.print(f"metrics and health on http://{cfg.metrics_host}:{cfg.metrics_port}"
+                          "/metrics, /healthz, /readyz")
         svc = DiagnosisService(settings.nats, cfg, rules=ruleset, registry=registry,
                                topology=build_topology(settings.topology, settings.nats.subject_prefix))
         await svc.start()
+        health.add("nats", nats_check(svc.nc)).add("consumer_lag", lag_check(svc.js, cfg.durable))
         console.print(f"[green]diagnosing[/green] {len(ruleset.models)} model rule sets, "
                       f"{len(ruleset.catalog.code_levels) + len(ruleset.catalog.error_codes)} Ascend codes, "
                       f"{len(ruleset.catalog.xids)} Xids; durable {cfg.durable}. Ctrl-C to stop.")
@@ -82,7 +89,8 @@ def diagnose(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        waiter = asyncio.create_task(svc.wait())
+        waiter = asyncio.create_task(svc.wait(), name="diagnosis")
+        health.add("tasks", tasks_check(lambda: [waiter]), live=True)
         stopper = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -38,12 +38,13 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-def _serve_metrics(port: Optional[int], registry) -> None:
+async def _serve_health(port: Optional[int], registry, health, host: str = "0.0.0.0") -> None:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``--metrics-host:--metrics-port`` (nothing without a port)."""
     if port is not None:
-        from prometheus_client import start_http_server
+        from consumers.health import serve
 
-        start_http_server(port, registry=registry)
-        out.print(f"metrics on http://0.0.0.0:{port}/metrics")
+        await serve(health, port, host=host, registry=registry)
+        out.print(f"metrics and health on http://{host}:{port}/metrics, /healthz, /readyz")
 
 
 @bridge_app.command("vllm-kv")
@@ -58,29 +59,42 @@ def bridge_vllm_kv(
                                      "name per rank: each rank has its own sequence)"),
     topic: str = typer.Option("", "--topic", help="ZMQ topic to subscribe to ('' = all)"),
     max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
+                                               help="serve /metrics, /healthz and /readyz here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
+    max_frame_age: Optional[float] = typer.Option(None, "--max-frame-age", min=0,
+                                                  help="not ready when no KV frame came for this many seconds "
+                                                       "(default: the age is only reported; idle engines are quiet)"),
+    encoding: str = typer.Option("binary", "--encoding",
+                                 help="KV batches on the bus: binary (packed arrays, "
+                                      "application/vnd.infernex.kv+msgpack) or json (the schema's JSON)"),
 ) -> None:
     """Subscribe to a vLLM KV-event stream and publish one message per batch."""
     from prometheus_client import CollectorRegistry
 
+    from consumers.health import Health
     from consumers.kv_bridge import BridgeConfig, run_bridge
 
+    if encoding not in ("binary", "json"):
+        raise typer.BadParameter("give binary or json", param_hint="--encoding")
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise typer.BadParameter("endpoint must look like tcp://HOST:PORT", param_hint="--endpoint")
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    _serve_metrics(metrics_port, registry)
+    health = Health(f"kv-bridge {pod}")
     cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
-                       dp_rank=dp_rank, max_inflight=max_inflight)
+                       dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding)
 
     async def go():
-        stats = await run_bridge(cfg, settings.nats, registry=registry, stop=_stop_event())
+        await _serve_health(metrics_port, registry, health, metrics_host)
+        stats = await run_bridge(cfg, settings.nats, registry=registry, stop=_stop_event(), health=health,
+                                 max_frame_age_s=max_frame_age)
         out.print(f"bridge stopped: {stats.frames} frames, {stats.published} batches published, "
                   f"{stats.gaps_filled} gaps filled, {stats.gaps_lost} lost, {stats.restarts} restarts, "
                   f"{stats.dead_letters} dead letters")
 
-    out.print(f"bridging {endpoint} (pod {pod}, model {model}); Ctrl-C stops")
-    _run(go())
+    out.print(f"bridging {endpoint} (pod {pod}, model {model}, {encoding}); Ctrl-C stops")
+    _run(go(), fast=True)
 
 
 def _pair_targets(targets: list[str], pods: list[str]) -> list:
@@ -102,7 +116,8 @@ def collect_metrics(
     pod: list[str] = typer.Option([], "--pod", help="pod name of each --target, in order"),
     interval: float = typer.Option(5.0, "--interval", min=0.1, help="seconds between scrapes"),
     once: bool = typer.Option(False, "--once", help="scrape once, print the status, exit"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve /metrics, /healthz and /readyz here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Scrape vLLM /metrics and publish engine metric snapshots."""
     from prometheus_client import CollectorRegistry
@@ -110,16 +125,22 @@ def collect_metrics(
     from consumers import bus
     from consumers.metrics_collector import MetricsCollector
 
+    from consumers.health import Check, Health, nats_check
+
     targets = _pair_targets(target, pod)
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    _serve_metrics(metrics_port, registry)
+    health = Health("metrics-collector")
 
     async def go():
+        if not once:
+            await _serve_health(metrics_port, registry, health, metrics_host)
         nc = await bus.connect(settings.nats, name="infernex-metrics-collector")
         try:
             col = MetricsCollector(targets, nc.jetstream(), subject_prefix=settings.nats.subject_prefix,
                                    registry=registry)
+            health.add("nats", nats_check(nc)).add("scrapes", lambda: Check(True, {
+                url: ("up" if st.up else f"down: {st.last_error}") for url, st in col.status.items()}))
             if once:
                 snaps = await col.scrape_once()
             else:
@@ -149,7 +170,10 @@ def collect_devices(
     sim_kind: str = typer.Option("npu", "--sim-kind", help="(sim) npu or gpu"),
     seed: int = typer.Option(0, "--seed", help="(sim) random seed"),
     fault: list[str] = typer.Option([], "--fault", help="(sim) DEVICE:KIND@START[+DURATION], seconds from now"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics here"),
+    chip_ids_from: Optional[str] = typer.Option(None, "--chip-ids-from", help="(npu-smi) the node's npu-exporter "
+                                                "/metrics URL or file: name chips by its ids (A3)"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve /metrics, /healthz and /readyz here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Read device telemetry in its real format and publish it."""
     from prometheus_client import CollectorRegistry
@@ -159,18 +183,24 @@ def collect_devices(
 
     sim = _sim_node(node, sim_devices, sim_kind, seed, fault) if source == "sim" else None
     try:
-        reader = make_reader(source, node, url, sim_node=sim)
+        reader = make_reader(source, node, url, sim_node=sim, chip_ids_from=chip_ids_from)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    from consumers.health import Check, Health, nats_check
+
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    _serve_metrics(metrics_port, registry)
+    health = Health(f"device-collector {node}")
 
     async def go():
+        if not once:
+            await _serve_health(metrics_port, registry, health, metrics_host)
         nc = await bus.connect(settings.nats, name="infernex-device-collector")
         try:
             col = DeviceCollector(reader, nc.jetstream(), node=node, source=source,
                                   subject_prefix=settings.nats.subject_prefix, registry=registry)
+            health.add("nats", nats_check(nc)).add(
+                "telemetry", lambda: Check(True, {"last_error": col.last_error} if col.last_error else {}))
             if once:
                 return col, await col.collect_once()
             await col.run(_stop_event(), interval)

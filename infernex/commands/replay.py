@@ -41,7 +41,7 @@ class Window:
 def _time(value: str | None) -> float | None:
     if value is None:
         return None
-    from infernex.commands.backbone import parse_since
+    from infernex.commands.common import parse_since
 
     try:
         return float(value)  # epoch seconds
@@ -86,6 +86,9 @@ async def fold_window(settings, window: Window, state, stats: dict | None = None
     from streams.topology import build_topology, stream_for_subject
 
     prefix = settings.nats.subject_prefix
+    scope = getattr(state, "scope", None)
+    if scope is not None and scope.narrowed:  # read only the pool's / model's subjects where they say so
+        window = Window(window.start, window.end, window.start_seq, scope.subjects(window.subjects), window.workers)
     workers = window.workers
     cpu0 = time.process_time()
     nc = await bus.connect(settings.nats, name="infernex-replay")
@@ -188,35 +191,99 @@ def _run(coro):
     return run_async(coro, value_errors=True)
 
 
+POOL = typer.Option(None, "--pool", help="only this pool (requests, decisions, hints, its pods and devices)")
+ROLE = typer.Option(None, "--role", help="only this role: aggregated, prefill, decode, or pd (both)")
+MODEL = typer.Option(None, "--model", help="only this model (requests, decisions, its pods and KV events)")
+
+
+def _scope(pool: str | None, role: str | None, model: str | None):
+    from consumers.replay_scope import Scope
+
+    try:
+        return Scope(pool=pool, role=role, model=model)
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
 @replay_app.command("state")
-def state_cmd(ctx: typer.Context, pool: Optional[str] = typer.Option(None, "--pool")) -> None:
+def state_cmd(ctx: typer.Context, pool: Optional[str] = POOL, role: Optional[str] = ROLE,
+              model: Optional[str] = MODEL) -> None:
     """Print the folded state (KV index per pod, load, health, open findings) at the window's end."""
     from infernex.incident import ReplayState
 
-    st = ReplayState(pool=pool)
+    st = ReplayState(scope=_scope(pool, role, model))
     n = _run(fold_window(_settings(ctx), ctx.meta["window"], st))
     out = st.state()
     out["replayed_messages"] = n
     print(json.dumps(out, indent=2, sort_keys=True))
 
 
+def _find_decision(ctx, request_id: str, scope, attempt: int):
+    """The recorded attempt (its stage records) of ``request_id`` in the window."""
+    from consumers.redecide import attempts
+    from infernex.incident import ReplayState
+
+    window = ctx.meta["window"]
+    st = ReplayState(scope=scope)
+    search = Window(window.start, window.end, window.start_seq, ["router.decisions.>"], 1)
+    _run(fold_window(_settings(ctx), search, st))
+    recs = st.decisions.get(request_id)
+    if not recs:
+        err.print(f"[red]no routing decision for request {request_id!r} in the window; widen --from/--to "
+                  f"(before the command) or drop --pool/--role/--model[/red]")
+        raise typer.Exit(1)
+    tries = attempts(recs)
+    if not -len(tries) <= attempt < len(tries):
+        err.print(f"[red]request {request_id!r} has {len(tries)} attempt(s); --attempt is 0..{len(tries) - 1} "
+                  f"or -1 for the last[/red]")
+        raise typer.Exit(2)
+    return tries[attempt]
+
+
 @replay_app.command("decide")
 def decide_cmd(
     ctx: typer.Context,
-    request: Path = typer.Argument(..., help="an OpenAI request body (JSON file)"),
-    profile: str = typer.Option("kv-aware", "--profile", help="strategy to re-run"),
+    request: str = typer.Argument(..., help="a request id recorded by the router, or an OpenAI request body "
+                                            "(JSON file) to route against the state at the window's end"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="strategy to run (default: the recorded one "
+                                                                  "for a request id, kv-aware for a body)"),
     tokenizer: str = typer.Option("simple", "--tokenizer", help="'simple' or a tokenizer.json path"),
-    pool: Optional[str] = typer.Option(None, "--pool"),
+    attempt: int = typer.Option(-1, "--attempt", help="which decision of a retried request (0 = first)"),
+    pool: Optional[str] = POOL, role: Optional[str] = ROLE, model: Optional[str] = MODEL,
 ) -> None:
-    """Re-run the router's strategy against the state at the window's end and explain the pick."""
+    """Re-run a recorded decision from what it read (scores come out equal), or route a request body
+    against the state at the window's end."""
     from infernex.incident import ReplayState
 
+    scope = _scope(pool, role, model)
+    path = Path(request)
+    if not path.is_file() and not request.endswith(".json"):
+        from consumers.redecide import NotReplayable, compare, redecide
+
+        stages = _find_decision(ctx, request, scope, attempt)
+        try:
+            dec, forced = redecide(stages, strategy=profile)
+        except (NotReplayable, ValueError) as exc:
+            err.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        out = dec.to_dict()
+        out["request_id"] = request
+        out["at"] = stages[0].ts
+        if profile is None:
+            diffs = compare(stages, dec)
+            out["reproduced"] = not diffs
+            out["differences"] = diffs
+            out["random_draw_used"] = forced
+        print(json.dumps(out, indent=2))
+        return
     try:
-        body = json.loads(request.read_text())
+        body = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         err.print(f"[red]cannot read {request}: {exc}[/red]")
         raise typer.Exit(2) from None
-    st = ReplayState(pool=pool)
+    profile = profile or "kv-aware"
+    st = ReplayState(scope=scope)
     _run(fold_window(_settings(ctx), ctx.meta["window"], st))
     try:
         print(json.dumps(st.decide(body, profile, tokenizer=tokenizer), indent=2))
@@ -231,19 +298,54 @@ def report_cmd(
     out: Path = typer.Option(Path("infernex-incident"), "--out", help="directory for report.md and report.html"),
     ttft_target: float = typer.Option(2.0, "--ttft-target", help="SLA target for TTFT (s)"),
     itl_target: float = typer.Option(0.1, "--itl-target", help="SLA target for inter-token latency (s)"),
-    pool: Optional[str] = typer.Option(None, "--pool"),
+    pool: Optional[str] = POOL, role: Optional[str] = ROLE, model: Optional[str] = MODEL,
 ) -> None:
     """Write an incident report (Markdown and self-contained HTML) for the window."""
     from infernex.incident import ReplayState, SlaTargets, report_html, report_markdown
 
     window = ctx.meta["window"]
-    st = ReplayState(pool=pool, targets=SlaTargets(ttft_s=ttft_target, itl_s=itl_target))
+    st = ReplayState(scope=_scope(pool, role, model), targets=SlaTargets(ttft_s=ttft_target, itl_s=itl_target))
     n = _run(fold_window(_settings(ctx), window, st))
     md = report_markdown(st, window.start, window.end)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(md)
     (out / "report.html").write_text(report_html(md))
-    console.print(f"{n} messages replayed; {len(st.timeline)} timeline entries; report in {out}/report.md and .html")
+    console.print(f"{n} messages replayed; {len(st.visible_timeline())} timeline entries; report in {out}/report.md "
+                  "and .html")
+
+
+@replay_app.command("explain")
+def explain_cmd(
+    ctx: typer.Context,
+    request_id: str = typer.Argument(..., help="the request id (X-Request-Id) of a routed request"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="also show what this strategy would have picked"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    attempt: int = typer.Option(-1, "--attempt", help="which decision of a retried request (0 = first)"),
+    pool: Optional[str] = POOL, role: Optional[str] = ROLE, model: Optional[str] = MODEL,
+) -> None:
+    """Why a past request went where it went: every candidate's score per scorer, the best
+    alternative, the prompt's cached prefix per pod, the findings in force, another profile's pick."""
+    from consumers.redecide import NotReplayable
+    from consumers.replay_scope import Scope
+    from infernex.incident import ReplayState, explain_request
+
+    stages = _find_decision(ctx, request_id, _scope(pool, role, model), attempt)
+    window = ctx.meta["window"]
+    hist = ReplayState(scope=Scope(pool=stages[0].pool))
+    upto = Window(window.start, stages[0].ts, window.start_seq,
+                  ["kv.events.>", "engine.>", "device.telemetry.>", "diagnosis.>"], window.workers)
+    _run(fold_window(_settings(ctx), upto, hist))
+    try:
+        out = explain_request(hist, stages, other=profile)
+    except (NotReplayable, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    from infernex.commands.explain_view import render
+
+    render(console, out)
 
 
 @replay_app.command("republish")
@@ -251,15 +353,20 @@ def republish_cmd(
     ctx: typer.Context,
     prefix: str = typer.Argument(..., help="subject prefix to publish under, e.g. sandbox"),
     speed: float = typer.Option(1.0, "--speed", help="K x real time; 0 = as fast as possible"),
+    pool: Optional[str] = POOL, role: Optional[str] = ROLE, model: Optional[str] = MODEL,
 ) -> None:
     """Re-publish the window under another subject prefix (to feed a sandboxed copy of the services)."""
     from consumers import bus
     from consumers.replay import read_window
+    from consumers.replay_scope import PodMeta, keep_message
+    from schemas import EngineAnnouncement, ValidationFailure, decode_event
     from schemas import subjects as S
     from streams.topology import build_topology
 
     settings = _settings(ctx)
     window = ctx.meta["window"]
+    scope = _scope(pool, role, model)
+    subjects = scope.subjects(window.subjects)
 
     async def go() -> int:
         nc = await bus.connect(settings.nats, name="infernex-republish")
@@ -270,9 +377,20 @@ def republish_cmd(
             dst_prefix = S.with_prefix(src_prefix, prefix) if src_prefix else prefix
             await bus.apply_topology(js, build_topology(settings.topology, dst_prefix))
             t0 = first = None
-            async for msg in read_window(nc, build_topology(settings.topology, src_prefix), window.subjects,
+            topo = build_topology(settings.topology, src_prefix)
+            metas: dict[str, PodMeta] = {}
+            if scope.narrowed:  # which pods are in scope: every announcement up to the window's end
+                async for msg in read_window(nc, topo, ["engine.announce.>"], end_time=window.end, prefix=src_prefix):
+                    try:
+                        a = decode_event(EngineAnnouncement, msg.data)
+                    except ValidationFailure:
+                        continue
+                    metas[a.pod] = PodMeta(a.pool, a.model, a.role, a.node, tuple(a.devices))
+            async for msg in read_window(nc, topo, subjects,
                                          start_time=window.start, end_time=window.end, start_seq=window.start_seq,
                                          prefix=src_prefix):
+                if not keep_message(scope, msg.subject, msg.data, metas):
+                    continue
                 if speed > 0:
                     if first is None:
                         first, t0 = msg.ts, time.monotonic()

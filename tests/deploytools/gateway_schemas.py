@@ -96,6 +96,13 @@ HTTPROUTE = _resource("gateway.networking.k8s.io/v1", "HTTPRoute", _obj({
                 "value": {"type": "string", "pattern": "^/", "maxLength": 1024},
             }),
             "method": {"enum": ["GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"]},
+            # HTTPHeaderMatch: at most 16, names are HTTP header names
+            "headers": {"type": "array", "maxItems": 16, "items": _obj({
+                "type": {"enum": ["Exact", "RegularExpression"]},
+                "name": {"type": "string", "minLength": 1, "maxLength": 256,
+                         "pattern": "^[A-Za-z0-9!#$%&'*+\\-.^_\\x60|~]+$"},
+                "value": {"type": "string", "minLength": 1, "maxLength": 4096},
+            }, required=["name", "value"])},
         })},
         "backendRefs": {"type": "array", "maxItems": 16, "items": _BACKEND_REF},
         "timeouts": _obj({

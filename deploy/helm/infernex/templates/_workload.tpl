@@ -1,7 +1,8 @@
 {{/*
-A control-plane Deployment and its metrics Service.
+A control-plane Deployment and its metrics Service. The container serves /metrics, /readyz
+(NATS connected, consumer lag ...) and /healthz (its loop and tasks alive) on PORT.
 (dict "ctx" $ "component" "indexer" "name" NAME "replicas" N "image" IMG "args" LIST
-      "port" PORT "resources" RES "serviceAccount" SA "probePath" "/health" "kind" "Deployment"
+      "port" PORT "resources" RES "serviceAccount" SA "kind" "Deployment"
       "data" VOLUME-SPEC-OR-NIL)
 */}}
 {{- define "infernex.workload" -}}
@@ -65,6 +66,7 @@ spec:
             {{- end }}
           env:
             {{- include "infernex.env" $ctx | nindent 12 }}
+            {{- include "infernex.natsClientEnv" (dict "ctx" $ctx "user" .component) | nindent 12 }}
             {{- with .env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -73,12 +75,12 @@ spec:
               containerPort: {{ .port }}
           readinessProbe:
             httpGet:
-              path: {{ .probePath | default "/metrics" }}
+              path: /readyz
               port: http
             periodSeconds: 10
           livenessProbe:
             httpGet:
-              path: {{ .probePath | default "/metrics" }}
+              path: /healthz
               port: http
             periodSeconds: 20
             failureThreshold: 6
@@ -87,8 +89,18 @@ spec:
           {{- include "infernex.containerSecurity" $ctx | nindent 10 }}
           volumeMounts:
             {{- include "infernex.configMount" $ctx | nindent 12 }}
+            {{- with .secretVolume }}
+            - name: {{ .name }}
+              mountPath: {{ .mountPath }}
+              readOnly: true
+            {{- end }}
       volumes:
         {{- include "infernex.configVolume" $ctx | nindent 8 }}
+        {{- with .secretVolume }}
+        - name: {{ .name }}
+          secret:
+            secretName: {{ .secretName }}
+        {{- end }}
         {{- if not .claim }}
         - name: infernex-data
           emptyDir: {}

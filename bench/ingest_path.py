@@ -1,0 +1,417 @@
+"""The whole KV ingest path, JSON vs binary on the bus, interleaved in one run.
+
+    python bench/ingest_path.py [--runs 3] [--pods 4] [--frames 2000] [--rate 1000] [--seconds 10]
+
+Per run (encodings alternate: json, binary, json, ...; each run on a fresh file-backed
+nats-server): one publisher process sends vLLM-0.33-shaped frames (``simulator.kv_events.
+encode_batch``: a map-encoded ``KVEventBatch`` with one ``BlockStored`` chain of ``--stored``
+blocks and one ``BlockRemoved`` of ``--removed``) on one ZMQ PUB socket per pod; one
+``infernex bridge vllm-kv --encoding E`` process per pod (uvloop) publishes to JetStream; one
+indexer process (``IndexerService`` on uvloop, as ``infernex indexer`` runs it) folds.
+
+* flat-out: ``--frames`` frames per pod as fast as the publisher can; stored blocks per second
+  from the first send to the indexer having applied the last batch, and CPU per stored block by
+  process (bridges, nats-server, indexer; from /proc);
+* paced: ``--rate`` frames/s in total for ``--seconds``, each frame stamped with its send time;
+  lag = indexer apply time - that stamp, every batch recorded (p50 / p99 / max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = "bench-model"
+PREFIX = "bench"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU of ``pid`` and its waited-for children, seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in parts[11:15]) / TICK
+
+
+# ---------------------------------------------------------------- publisher (its own process)
+
+def _frames(rng: random.Random, n: int, stored: int, removed: int, block_size: int, ts: float | None):
+    from simulator.kv_events import block_removed, block_stored, encode_batch
+
+    pool = [rng.getrandbits(63) for _ in range(4096)]
+    out = []
+    for _ in range(n):
+        toks = [rng.randrange(151_000) for _ in range(stored * block_size)]
+        hashes = [rng.getrandbits(63) for _ in range(stored)]
+        events = [block_stored(hashes, rng.choice(pool), toks, block_size)]
+        if removed:
+            events.append(block_removed(rng.sample(pool, removed)))
+        out.append(encode_batch(events, ts=time.time() if ts is None else ts))
+    return out
+
+
+def publisher_proc(ports, cmds, done, args) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for p in ports:
+        s = ctx.socket(zmq.PUB)
+        s.setsockopt(zmq.SNDHWM, 1_000_000)
+        s.bind(f"tcp://127.0.0.1:{p}")
+        socks.append(s)
+    rng = random.Random(7)
+    seqs = [0] * len(socks)
+    flat = _frames(rng, min(args.frames, 256), args.stored, args.removed, args.block_size, ts=1.0)
+    from simulator.kv_events import block_removed, block_stored, encode_batch
+
+    import queue
+
+    while True:
+        cmd = cmds.get()
+        if cmd == "warm":  # a frame per pod every 50 ms until the next command (bridges joining)
+            while True:
+                try:
+                    cmd = cmds.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    for k, s in enumerate(socks):
+                        s.send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), flat[0]), copy=False)
+                        seqs[k] += 1
+        if cmd == "flat":
+            for i in range(args.frames):
+                payload = flat[i % len(flat)]
+                for k, s in enumerate(socks):
+                    s.send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), payload), copy=False)
+                    seqs[k] += 1
+            done.put(args.frames * len(socks))
+        elif cmd == "paced":
+            n = int(args.rate * args.seconds)
+            t0 = time.perf_counter()
+            pool = [rng.getrandbits(63) for _ in range(4096)]
+            for i in range(n):
+                due = t0 + i / args.rate
+                while (d := due - time.perf_counter()) > 0:
+                    time.sleep(min(d, 0.002))
+                k = i % len(socks)
+                toks = [rng.randrange(151_000) for _ in range(args.stored * args.block_size)]
+                events = [block_stored([rng.getrandbits(63) for _ in range(args.stored)], rng.choice(pool), toks,
+                                       args.block_size)]
+                if args.removed:
+                    events.append(block_removed(rng.sample(pool, args.removed)))
+                socks[k].send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), encode_batch(events, ts=time.time())))
+                seqs[k] += 1
+            done.put(n)
+        else:
+            break
+    for s in socks:
+        s.close(linger=1000)
+    ctx.term()
+
+
+# ---------------------------------------------------------------- indexer (its own process)
+
+def indexer_role(url: str, lag_file: str, port: int) -> None:
+    """``IndexerService`` on uvloop, as ``infernex indexer`` runs it, recording every lag."""
+    import uvloop
+    from prometheus_client import CollectorRegistry
+
+    from consumers.indexer import IndexerConfig, IndexerService
+    from schemas.config import NatsConfig
+
+    lags: list[tuple[float, float]] = []
+
+    class Rec:
+        def __init__(self, h):
+            self.h = h
+
+        def observe(self, v):
+            lags.append((time.time(), v))
+
+    async def run():
+        cfg = IndexerConfig(http_port=port, nats_query=False, durable="bench-ix", snapshot_every_events=10_000_000,
+                            snapshot_every_s=3600)
+        svc = IndexerService(cfg, NatsConfig(servers=[url], subject_prefix=PREFIX), registry=CollectorRegistry())
+        svc.metrics.lag = Rec(svc.metrics.lag)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, svc.request_stop)
+        await svc.start()
+        print("ready", flush=True)
+        try:
+            await svc.run_forever()
+        finally:
+            await svc.stop()
+            Path(lag_file).write_text(json.dumps(lags))
+
+    uvloop.run(run())
+
+
+async def _metric(http, name: str) -> float:
+    text = (await http.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+# ---------------------------------------------------------------- one run
+
+DYNAMO_APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
+
+
+async def _dynamo_stored(http) -> float:
+    text = (await http.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(DYNAMO_APPLIED + '{event_type="stored"'))
+
+
+async def dynamo_run(args) -> dict:
+    """Dynamo's standalone indexer (``python -m dynamo.indexer``, from ``--dynamo-python``) on the
+    same publisher: it subscribes to the pods' ZMQ sockets itself (no bus, no durability).
+    Flat-out blocks/s and CPU per block; its lag cannot be read per batch, so none is given."""
+    import httpx
+
+    from infernex.embedded_nats import free_port
+
+    ports = [free_port() for _ in range(args.pods)]
+    cmds, done = mp.Queue(), mp.Queue()
+    pub = mp.Process(target=publisher_proc, args=(ports, cmds, done, args))
+    pub.start()
+    hport = free_port()
+    workers = ",".join(f"{i}=tcp://127.0.0.1:{p}" for i, p in enumerate(ports))
+    dyn = subprocess.Popen([args.dynamo_python, "-m", "dynamo.indexer", "--port", str(hport), "--block-size",
+                            str(args.block_size), "--workers", workers], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        cmds.put("warm")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=5) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if await _dynamo_stored(http) >= args.pods * 3:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("dynamo.indexer applied nothing")
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            cmds.put("flat")
+            base = await _dynamo_stored(http)
+            c0, t0 = cpu_seconds(dyn.pid), time.perf_counter()
+            want = base + args.frames * args.pods
+            deadline = time.monotonic() + args.timeout
+            while (got := await _dynamo_stored(http)) < want and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            t1, c1 = time.perf_counter(), cpu_seconds(dyn.pid)
+            done.get(timeout=60)
+        n = got - base
+        stored = n * args.stored
+        per = (c1 - c0) / stored * 1e6
+        return {"encoding": "dynamo", "batches": n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
+                "cpu_us_per_block": {"bridges": 0.0, "nats-server": 0.0, "indexer": per, "all": per}}
+    finally:
+        cmds.put("stop")
+        dyn.send_signal(signal.SIGTERM)
+        try:
+            dyn.wait(10)
+        except subprocess.TimeoutExpired:
+            dyn.kill()
+        pub.join(5)
+        if pub.is_alive():
+            pub.kill()
+
+
+async def one_run(encoding: str, args) -> dict:
+    import httpx
+
+    if encoding == "dynamo":
+        return await dynamo_run(args)
+
+    from consumers import bus
+    from infernex.embedded_nats import EmbeddedNats, free_port
+    from schemas.config import NatsConfig
+    from streams.topology import build_topology
+
+    tmp = tempfile.mkdtemp(prefix="bench-ingest-")
+    server = EmbeddedNats(Path(tmp) / "store")
+    server.start()
+    procs: list[subprocess.Popen] = []
+    pub = None
+    try:
+        nc = await bus.connect(NatsConfig(servers=[server.url], subject_prefix=PREFIX))
+        await bus.apply_topology(nc.jetstream(), build_topology(prefix=PREFIX))
+        await nc.close()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "INFERNEX_NATS__SERVERS": server.url,
+               "INFERNEX_NATS__SUBJECT_PREFIX": PREFIX}
+        ix_port = free_port()
+        lag_file = Path(tmp) / "lags.json"
+        ix = subprocess.Popen([sys.executable, __file__, "--role", "indexer", "--url", server.url, "--lag-file",
+                               str(lag_file), "--port", str(ix_port)], env=env, stdout=subprocess.PIPE, text=True)
+        procs.append(ix)
+        assert ix.stdout.readline().strip() == "ready"
+        ports = [free_port() for _ in range(args.pods)]
+        cmds, done = mp.Queue(), mp.Queue()
+        pub = mp.Process(target=publisher_proc, args=(ports, cmds, done, args))
+        pub.start()
+        bridges = []
+        mports = [free_port() for _ in ports]
+        for i, p in enumerate(ports):
+            bridges.append(subprocess.Popen(
+                [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv", "--endpoint", f"tcp://127.0.0.1:{p}",
+                 "--pod", f"pod-{i}", "--model", MODEL, "--encoding", encoding, "--metrics-port", str(mports[i])],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.extend(bridges)
+        cmds.put("warm")
+        deadline = time.monotonic() + 120
+        async with httpx.AsyncClient(timeout=2) as http:
+            for i, mp_ in enumerate(mports):  # every bridge has received frames: its SUB has joined
+                while True:
+                    try:
+                        text = (await http.get(f"http://127.0.0.1:{mp_}/metrics")).text
+                        if f'infernex_kv_bridge_frames_total{{path="live",pod="pod-{i}"}} 0.0' not in text \
+                                and "infernex_kv_bridge_frames_total" in text:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"bridge pod-{i} never received a frame")
+                    await asyncio.sleep(0.1)
+        nats_pid = server.proc.pid
+        pids = {"bridges": [b.pid for b in bridges], "nats-server": [nats_pid], "indexer": [ix.pid]}
+
+        def cpu() -> dict[str, float]:
+            return {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
+
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ix_port}", timeout=5) as http:
+            # flat-out
+            await asyncio.sleep(0.5)
+            cmds.put("flat")  # ends the warm-up
+            base = await _metric(http, "infernex_indexer_batches_total")
+            c0, t0 = cpu(), time.perf_counter()
+            want = base + args.frames * args.pods
+            deadline = time.monotonic() + args.timeout
+            while (got := await _metric(http, "infernex_indexer_batches_total")) < want:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            t1, c1 = time.perf_counter(), cpu()
+            done.get(timeout=60)
+            n = got - base
+            stored = n * args.stored
+            res = {"encoding": encoding, "batches": n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
+                   "cpu_us_per_block": {k: (c1[k] - c0[k]) / stored * 1e6 for k in c0}}
+            res["cpu_us_per_block"]["all"] = sum(res["cpu_us_per_block"].values())
+            # paced
+            await asyncio.sleep(1.0)
+            t_paced = time.time()
+            base = await _metric(http, "infernex_indexer_batches_total")
+            cmds.put("paced")
+            sent = done.get(timeout=args.seconds * 3 + 60)
+            deadline = time.monotonic() + 30
+            while await _metric(http, "infernex_indexer_batches_total") < base + sent and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        cmds.put("stop")
+        ix.send_signal(signal.SIGTERM)
+        ix.wait(30)
+        lags = sorted(v for t, v in json.loads(lag_file.read_text()) if t >= t_paced)
+        if lags:
+            res["lag_ms"] = {"n": len(lags), "p50": lags[len(lags) // 2] * 1e3,
+                             "p99": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3, "max": lags[-1] * 1e3}
+        return res
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if pub is not None:
+            pub.join(5)
+            if pub.is_alive():
+                pub.kill()
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", default="driver", choices=["driver", "indexer"])
+    ap.add_argument("--url")
+    ap.add_argument("--lag-file")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--runs", type=int, default=3, help="runs per encoding (interleaved)")
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=2000, help="flat-out frames per pod")
+    ap.add_argument("--stored", type=int, default=32, help="blocks stored per frame")
+    ap.add_argument("--removed", type=int, default=8, help="blocks removed per frame")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=1000.0, help="paced phase: frames/s in total")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--encodings", default="json,binary")
+    ap.add_argument("--dynamo-python", default=None,
+                    help="python of a venv with ai-dynamo-runtime: adds Dynamo's standalone indexer to the rounds")
+    args = ap.parse_args()
+    if args.role == "indexer":
+        indexer_role(args.url, args.lag_file, args.port)
+        return
+    encs = args.encodings.split(",")
+    if args.dynamo_python:
+        out = subprocess.run([args.dynamo_python, "-c", "import importlib.metadata as m; "
+                              "print(m.version('ai-dynamo-runtime'))"], capture_output=True, text=True)
+        print(f"peer: ai-dynamo-runtime {out.stdout.strip() or '?'} (python -m dynamo.indexer)")
+        encs.append("dynamo")
+    results: dict[str, list[dict]] = {e: [] for e in encs}
+    for r in range(args.runs):
+        for e in (encs if r % 2 == 0 else encs[::-1]):
+            res = asyncio.run(one_run(e, args))
+            results[e].append(res)
+            cpu = res["cpu_us_per_block"]
+            lag = res.get("lag_ms", {})
+            print(f"run {r + 1} {e:6s}: {res['blocks_per_s']:,.0f} stored blocks/s ({res['batches']:.0f} batches, "
+                  f"{res['wall_s']:.2f}s); CPU us/block all {cpu['all']:.2f} (bridges {cpu['bridges']:.2f}, "
+                  f"nats {cpu['nats-server']:.2f}, indexer {cpu['indexer']:.2f}); lag at {args.rate:.0f}/s "
+                  f"p50 {lag.get('p50', float('nan')):.1f} p99 {lag.get('p99', float('nan')):.1f} "
+                  f"max {lag.get('max', float('nan')):.1f} ms", flush=True)
+    print("\nmedians:")
+    med = {}
+    for e, rs in results.items():
+        m = {"blocks_per_s": statistics.median(r["blocks_per_s"] for r in rs)}
+        for k in ("all", "bridges", "nats-server", "indexer"):
+            m[k] = statistics.median(r["cpu_us_per_block"][k] for r in rs)
+        m["lag_p99"] = statistics.median(r.get("lag_ms", {}).get("p99", float("nan")) for r in rs)
+        m["lag_p50"] = statistics.median(r.get("lag_ms", {}).get("p50", float("nan")) for r in rs)
+        med[e] = m
+        print(f"  {e:6s}: {m['blocks_per_s']:,.0f} blocks/s; CPU us/block all {m['all']:.2f} (bridges "
+              f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
+              f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms")
+    if "dynamo" in med and "binary" in med:
+        d, b = med["dynamo"], med["binary"]
+        print(f"  binary / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
+              f"{b['all'] / d['all']:.2f}x")
+    if "json" in med and "binary" in med:
+        j, b = med["json"], med["binary"]
+        print(f"  binary / json: blocks/s {b['blocks_per_s'] / j['blocks_per_s']:.2f}x; CPU per block "
+              f"{b['all'] / j['all']:.2f}x (bridges {b['bridges'] / j['bridges']:.2f}x, indexer "
+              f"{b['indexer'] / j['indexer']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""KV index query latency against index size: the same queries on 100k and on 5M resident blocks.
+
+    PYTHONPATH=. python -P bench/kv_query_size.py [--sizes 100000,5000000] [--queries 4000] [--before-ref main]
+
+The queried part is the same in every index: 16 pods, 32 shared system prompts of 128 blocks and
+256 conversations of 384 more blocks (~102k distinct blocks; each conversation held by 2 pods).
+The larger index adds never-queried blocks (other conversations) on the same pods until it holds
+``size`` distinct blocks, so only the table size changes. Queries are 128-512-block prefixes of
+those conversations (popular ones more often), as bench/kv_index.py's. ``match_keys`` is timed
+on each index in turn, query by query, with this tree's ``streams/kv_core.py`` and
+(``--before-ref``) the one at that git ref, each building its own tables (allocation is part of
+the layout), the two taking turns query by query (never both on one query, the second would
+find the prompt's keys in the cache): before/after in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = sys.path[0]
+
+import streams.kv_index as kv_index  # noqa: E402
+from schemas.kv import BlockStored, KvEventBatch  # noqa: E402
+from streams.clock import ManualClock  # noqa: E402
+from streams.kv_index import KvIndex, block_keys, warm_up  # noqa: E402
+
+BS, PODS, FAMILIES, FAMILY_BLOCKS, CONVS, CONV_BLOCKS = 16, 16, 32, 128, 256, 384
+
+
+def stored(pod: int, keys: list[int], seq: int) -> KvEventBatch:
+    ev = BlockStored.model_construct(type="stored", block_hashes=keys, parent_block_hash=None, token_ids=[],
+                                     block_size=BS, lora_id=None, lora_name=None, medium=None, parent_key=None,
+                                     block_keys=keys)
+    return KvEventBatch.model_construct(schema_version=1, pod=f"pod-{pod:02d}", model="bench", dp_rank=0, epoch=0,
+                                        seq=seq, ts=0.0, events=[ev])
+
+
+def build(size: int, convs: list[np.ndarray], holders: list[tuple[int, int]], seed: int) -> KvIndex:
+    idx = KvIndex(ManualClock())
+    held: list[set[int]] = [set() for _ in range(PODS)]
+    batches, seq = [], 0
+    for keys, pods in zip(convs, holders):
+        for p in pods:
+            new = [k for k in keys.tolist() if k not in held[p]]
+            held[p].update(new)
+            seq += 1
+            batches.append(stored(p, new, seq))
+    idx.apply_many(batches)
+    rng = np.random.default_rng(seed)
+    left = size - len(idx)
+    p = 0
+    while left > 0:
+        n = min(left, 200_000)
+        cold = rng.integers(1, 2**63, size=n, dtype=np.uint64).tolist()
+        batches = []
+        for i in range(0, n, 512):
+            seq += 1
+            batches.append(stored(p % PODS, cold[i:i + 512], seq))
+            p += 1
+        idx.apply_many(batches)
+        left = size - len(idx)
+    return idx
+
+
+def load_core(ref: str):
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{ref}:streams/kv_core.py"], check=True, capture_output=True,
+                         text=True).stdout
+    d = tempfile.mkdtemp(prefix="kv_core_before_")
+    path = os.path.join(d, "kv_core_before.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("kv_core_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * p / 100))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="100000,5000000")
+    ap.add_argument("--queries", type=int, default=6000)
+    ap.add_argument("--before-ref", default=None)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    warm_up()
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    rng = np.random.default_rng(args.seed)
+    fam = rng.integers(0, 150_000, size=(FAMILIES, FAMILY_BLOCKS * BS), dtype=np.uint32)
+    own = rng.integers(0, 150_000, size=(CONVS, CONV_BLOCKS * BS), dtype=np.uint32)
+    conv_family = rng.integers(0, FAMILIES, size=CONVS)
+    tokens = [np.concatenate([fam[conv_family[c]], own[c]]) for c in range(CONVS)]
+    convs = [np.asarray(block_keys(t.tolist(), BS).array) for t in tokens]
+    holders = [tuple(int(x) for x in rng.choice(PODS, size=2, replace=False)) for _ in range(CONVS)]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    kernels = [("after", kv_index.core)]
+    if args.before_ref:
+        kernels.append((f"before ({args.before_ref})", load_core(args.before_ref)))
+    new_core = kv_index.core
+    built = {}  # each variant builds its own tables (allocation and layout are part of the change)
+    for name, mod in kernels:
+        kv_index.core = mod
+        for s in sizes:
+            t = time.perf_counter()
+            idx = built[(name, s)] = build(s, convs, holders, args.seed + s)
+            print(f"{name}: index of {len(idx):,} distinct blocks built in {time.perf_counter() - t:.1f}s "
+                  f"(key table {idx._models['bench'].kt.nbytes / 2**20:.0f} MiB)")
+    qrng = np.random.default_rng(args.seed + 7)
+    queries = []
+    for _ in range(args.queries):
+        c = min(int(qrng.pareto(1.2)), CONVS - 1) if qrng.random() < 0.5 else int(qrng.integers(CONVS))
+        n = int(qrng.integers(128, 513))
+        queries.append(convs[c][:n].copy())
+    lat = {(k, s): [] for k, _ in kernels for s in sizes}
+    walked = {(k, s): [] for k, _ in kernels for s in sizes}
+    for name, mod in kernels:  # compile + first touch outside the timing
+        kv_index.core = mod
+        for s in sizes:
+            for q in queries[:50]:
+                built[(name, s)].match_keys("bench", q)
+    for i, q in enumerate(queries):
+        # one variant per query (taking turns), both sizes per query, the order alternating
+        name, mod = kernels[i % len(kernels)]
+        kv_index.core = mod
+        order = list(sizes) if (i // len(kernels)) % 2 == 0 else list(reversed(sizes))
+        for s in order:
+            idx = built[(name, s)]
+            t = time.perf_counter()
+            r = idx.match_keys("bench", q)
+            lat[(name, s)].append(time.perf_counter() - t)
+            walked[(name, s)].append(max((m.matched_blocks for m in r.values()), default=0))
+    kv_index.core = new_core
+    for name, _ in kernels:
+        assert all(walked[(name, s)] == walked[(name, sizes[0])] for s in sizes), "indexes answered differently"
+    allw = [w for v in walked.values() for w in v]
+    print(f"{args.queries} queries of 128-512 blocks, mean best match {statistics.mean(allw):.0f} blocks")
+    for name, _ in kernels:
+        base = pct(lat[(name, sizes[0])], 50)
+        for s in sizes:
+            xs = lat[(name, s)]
+            print(f"{name:<16} {s:>10,} blocks: match_keys p50 {pct(xs, 50) * 1e6:6.1f} us  "
+                  f"p99 {pct(xs, 99) * 1e6:7.1f} us  ({pct(xs, 50) / base:.2f}x the smallest)")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

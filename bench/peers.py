@@ -1,0 +1,49 @@
+"""Peer routers for the benches, each in its own virtual environment under a cache folder.
+
+    python bench/peers.py sglang-router        # creates/updates the venv, prints its python
+
+``peer_python("sglang-router")`` returns the interpreter of ``~/.cache/infernex-bench/sglang-router``
+(``INFERNEX_BENCH_CACHE`` overrides the folder), creating the venv and ``pip install``-ing the
+package from PyPI the first time, or ``None`` (with the reason printed) when that fails.
+``peer_version`` reads the installed version, for the results.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CACHE = Path(os.environ.get("INFERNEX_BENCH_CACHE", Path.home() / ".cache" / "infernex-bench"))
+
+
+def peer_python(package: str, module: str | None = None) -> str | None:
+    venv = CACHE / package
+    py = venv / "bin" / "python"
+    module = module or package.replace("-", "_")
+    if py.exists() and subprocess.run([str(py), "-c", f"import {module}"], capture_output=True).returncode == 0:
+        return str(py)
+    try:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", package], check=True, capture_output=True,
+                       timeout=900)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        print(f"{package}: cannot install into {venv} ({exc}; {err.decode(errors='replace')[-300:]}), skipped")
+        return None
+    return str(py)
+
+
+def peer_version(py: str, package: str) -> str:
+    out = subprocess.run([py, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["sglang-router"]:
+        p = peer_python(name)
+        print(name, p, p and peer_version(p, name))

@@ -1,0 +1,344 @@
+"""The endpoint picker: an ``envoy.service.ext_proc.v3.ExternalProcessor`` gRPC service that runs
+the HTTP router's own strategy pipeline (the same :class:`router.core.Router`, cluster state and
+KV index of a :class:`router.server.RouterService`) and tells Envoy where to send each request.
+
+One ext_proc stream per HTTP request. Body modes:
+- ``BUFFERED``: Envoy sends the headers (answered at once), then the whole body; the pick rides
+  on the body response (header mutation + dynamic metadata).
+- ``FULL_DUPLEX_STREAMED`` (what GIE gateways use; no size limit): headers and body chunks arrive
+  without waiting; the EPP holds them until the body ends, then answers the headers with the pick
+  and hands the body back in chunks.
+Requests without a body (``GET /v1/models``) are routed to the least-loaded healthy endpoint, and
+so are requests in ``STREAMED`` mode (Envoy forwards their headers before the body arrives, so a
+body-aware pick is impossible there; a warning says so once).
+
+While the stream lives the pick counts as in flight on its backend (the router's own in-flight and
+active-token counters, which its load scorers read); the stream ends when Envoy is done with the
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import msgspec
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from router.epp import protocol as P
+from router.server import ApiError
+from router.types import BackendState, Decision
+
+if TYPE_CHECKING:
+    from router.server import RouterService
+
+log = logging.getLogger(__name__)
+
+_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+_HEALTH_NAMES = ("", "liveness", "readiness", P.SERVICE)
+
+
+@dataclass(slots=True)
+class _Req:
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: frozenset[str] | None = None
+    duplex: bool = False
+    streamed: bool = False  # STREAMED: the headers go upstream before the body reaches us
+    response_duplex: bool = False
+    body: bytearray = field(default_factory=bytearray)
+    picked: list[tuple[BackendState, int, int]] = field(default_factory=list)  # (backend, tokens, prefill)
+
+
+class _Reject(Exception):
+    def __init__(self, response: pb.ProcessingResponse):
+        self.response = response
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    """The ext_proc servicer. ``fallbacks``: how many next-best endpoints follow the pick."""
+
+    def __init__(self, service: RouterService, *, fallbacks: int = 0):
+        self.svc = service
+        self.fallbacks = fallbacks
+        self._ep: dict[str, str] = {}
+        self.picks = 0
+        self.rejects: dict[int, int] = {}
+        self._warned_streamed = False
+
+    # -- helpers ---------------------------------------------------------------------------
+    def endpoint(self, b: BackendState) -> str:
+        ep = self._ep.get(b.url)
+        if ep is None:
+            ep = self._ep[b.url] = P.endpoint_of(b.url)
+        return ep
+
+    def _candidates(self, subset: frozenset[str] | None) -> list[BackendState]:
+        snap = self.svc.state.snapshot()
+        if subset is None:
+            return snap
+        return [b for b in snap if self.endpoint(b) in subset]
+
+    def _reject(self, status: int, message: str, code: str, type_: str = "service_unavailable") -> _Reject:
+        self.rejects[status] = self.rejects.get(status, 0) + 1
+        retry = self.svc.cfg.retry_after_s if status in (429, 503) else None
+        return _Reject(P.immediate(status, message, code, type_, retry))
+
+    def _fallbacks(self, d: Decision) -> list[str]:
+        if not self.fallbacks or not d.stages:
+            return []
+        st = d.stages[-1]
+        order = sorted(range(len(st.cands)), key=lambda i: -st.totals[i])
+        out = []
+        for i in order:
+            if i != st.picked_index:
+                out.append(self.endpoint(st.cands[i]))
+                if len(out) == self.fallbacks:
+                    break
+        return out
+
+    def pick(self, r: _Req) -> tuple[pb.CommonResponse, Any]:
+        """Run the strategy on the request; the mutation and metadata that carry the pick."""
+        svc = self.svc
+        cands = self._candidates(r.subset)
+        if r.subset is not None and not cands:
+            raise self._reject(503, "none of the endpoints in the subset hint is known to the picker", "no_backend")
+        if not r.body:
+            return self._pick_without_body(cands)
+        try:
+            body = msgspec.json.decode(bytes(r.body))
+        except msgspec.DecodeError:
+            raise self._reject(400, "request body is not valid JSON", "invalid_json", "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise self._reject(400, "request body must be a JSON object", "invalid_json", "invalid_request_error")
+        path = r.headers.get(":path", "")
+        kind = "chat" if ("messages" in body or path.startswith("/v1/chat")) else "completions"
+        try:
+            svc._check_body(kind, body)
+        except ApiError as e:
+            raise self._reject(e.status, e.message, str(e.code or "invalid_request"), e.type) from None
+        rid = r.headers.get("x-request-id") or ""
+        rreq = svc._routing_request(kind, body, rid, len(r.body))
+        t = time.perf_counter()
+        st = svc.state
+        d = svc.router.decide(rreq, cands, svc.index, st.clock.now(), load_epoch=st.epoch)
+        svc._m_decision.observe(time.perf_counter() - t)
+        if not d.ok:
+            if d.status == "no_model":
+                raise self._reject(404, d.reason, "model_not_found", "invalid_request_error")
+            if d.status == "busy":
+                raise self._reject(429, "all endpoints are busy, retry later", "busy")
+            raise self._reject(503, f"no endpoint available: {d.reason}", "no_backend")
+        target = d.target
+        n = rreq.prompt_tokens
+        if d.prefill is not None:
+            st.started(d.prefill, n, n)
+            r.picked.append((d.prefill, n, n))
+            st.started(target, n, 0)
+            r.picked.append((target, n, 0))
+        else:
+            st.started(target, n, n)
+            r.picked.append((target, n, n))
+        if d.prefill is not None:
+            svc._pick(d.prefill.pod, "prefill")
+        svc._pick(target.pod, "decode" if svc.router.strategy.pd else "aggregated")
+        self.picks += 1
+        eps = [self.endpoint(target), *self._fallbacks(d)]
+        return P.routing_mutation(eps, self.endpoint(d.prefill) if d.prefill is not None else None)
+
+    def _pick_without_body(self, cands: list[BackendState]) -> tuple[pb.CommonResponse, Any]:
+        ok = [b for b in cands if b.health != "critical" and not b.circuit_open and not b.draining]
+        if not ok:
+            raise self._reject(503, "no endpoint available", "no_backend")
+        b = min(ok, key=lambda b: (b.inflight + b.waiting, b.pod))
+        return P.routing_mutation([self.endpoint(b)], None)
+
+    def _served(self, r: _Req, served: str) -> None:
+        """The proxy reports (``x-gateway-destination-endpoint-served``) that a fallback served the
+        request: its in-flight count moves there from the primary pick."""
+        if not r.picked:
+            return
+        b, n, pre = r.picked[-1]
+        if self.endpoint(b) == served:
+            return
+        other = next((x for x in self.svc.state.snapshot() if self.endpoint(x) == served), None)
+        if other is None:
+            return
+        st = self.svc.state
+        st.finished(b, n, pre)
+        st.started(other, n, pre)
+        r.picked[-1] = (other, n, pre)
+
+    def _release(self, r: _Req) -> None:
+        for b, n, pre in r.picked:
+            self.svc.state.finished(b, n, pre)
+        r.picked.clear()
+
+    # -- the stream ------------------------------------------------------------------------
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:
+        r = _Req()
+        limit = self.svc.cfg.max_body_bytes
+        try:
+            async for req in request_iterator:
+                which = req.WhichOneof("request")
+                if which == "request_headers":
+                    if req.HasField("protocol_config"):
+                        pc = req.protocol_config
+                        r.duplex = pc.request_body_mode == _DUPLEX
+                        r.streamed = pc.request_body_mode == _STREAMED
+                        r.response_duplex = pc.response_body_mode == _DUPLEX
+                    r.headers = P.header_map(req.request_headers)
+                    r.subset = P.subset_hint(req)
+                    if r.streamed and not self._warned_streamed:
+                        self._warned_streamed = True
+                        log.warning("ext_proc request_body_mode STREAMED: the pick cannot read the body (the "
+                                    "headers are forwarded first); routing by load only. Use FULL_DUPLEX_STREAMED "
+                                    "or BUFFERED")
+                    if req.request_headers.end_of_stream or r.streamed:
+                        try:
+                            common, md = self.pick(r)
+                        except _Reject as rej:
+                            yield rej.response
+                            return
+                        yield P.headers_response(common, md)
+                    elif not r.duplex:
+                        yield P.headers_response()
+                elif which == "request_body":
+                    rb = req.request_body
+                    r.body += rb.body
+                    if len(r.body) > limit:
+                        yield self._reject(413, f"request body exceeds {limit} bytes", "body_too_large",
+                                           "invalid_request_error").response
+                        return
+                    if r.streamed:  # already routed on the headers; pass every chunk on
+                        yield P.body_response()
+                        continue
+                    if not rb.end_of_stream:
+                        if not r.duplex:  # BUFFERED_PARTIAL: every chunk wants an answer
+                            yield P.body_response()
+                        continue
+                    try:
+                        common, md = self.pick(r)
+                    except _Reject as rej:
+                        yield rej.response
+                        return
+                    if r.duplex:
+                        yield P.headers_response(common, md)
+                        for m in P.streamed_body(bytes(r.body)):
+                            yield m
+                    else:
+                        yield P.body_response(common, md)
+                elif which == "request_trailers":
+                    if r.duplex and not r.picked:  # the body ended with the trailers
+                        try:
+                            common, md = self.pick(r)
+                        except _Reject as rej:
+                            yield rej.response
+                            return
+                        yield P.headers_response(common, md)
+                        for m in P.streamed_body(bytes(r.body)):
+                            yield m
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif which == "response_headers":
+                    served = P.served_endpoint(req)
+                    if served is not None:
+                        self._served(r, served)
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+                elif which == "response_body":
+                    rb = req.response_body
+                    if r.response_duplex:  # hand each chunk straight back
+                        mut = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                            body=rb.body, end_of_stream=rb.end_of_stream))
+                        yield pb.ProcessingResponse(response_body=pb.BodyResponse(
+                            response=pb.CommonResponse(body_mutation=mut)))
+                    else:
+                        yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
+                elif which == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        finally:
+            self._release(r)
+
+
+class EppServer:
+    """The gRPC server: the ext_proc service and the gRPC health service on one port.
+
+    Health as GIE's EPP reports it: ``liveness`` SERVING while the process answers; ``readiness``
+    and the ext_proc service name SERVING while the router is not draining and knows at least one
+    usable backend (the router's own ``/ready`` rule), re-checked every ``ready_every_s``."""
+
+    def __init__(self, service: RouterService, *, fallbacks: int = 0, ready_every_s: float = 1.0):
+        self.svc = service
+        self.ready_every_s = ready_every_s
+        self._ready: bool | None = None
+        self._task: asyncio.Task | None = None
+        self.picker = EndpointPicker(service, fallbacks=fallbacks)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> str:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                                          ("grpc.max_send_message_length", 64 * 1024 * 1024)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.picker, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"endpoint picker: cannot listen on {host}:{port}")
+        await server.start()
+        r = self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(r):
+            await r
+        self.server, self.port = server, bound
+        await self.check_ready()
+        self._task = asyncio.create_task(self._watch_ready())
+        return f"{host}:{bound}"
+
+    def is_ready(self) -> bool:
+        svc = self.svc
+        return not svc.draining and any(b.health != "critical" and not b.circuit_open for b in svc.state.snapshot())
+
+    async def check_ready(self) -> bool:
+        ready = self.is_ready()
+        if ready != self._ready:
+            self._ready = ready
+            await self.set_serving(ready)
+        return ready
+
+    async def _watch_ready(self) -> None:
+        while True:
+            await asyncio.sleep(self.ready_every_s)
+            await self.check_ready()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *_HEALTH_NAMES[2:]):
+            r = self.health.set(name, status)
+            if asyncio.iscoroutine(r):
+                await r
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None
+
+
+async def start_epp(service: RouterService, host: str, port: int, *, fallbacks: int = 0) -> EppServer:
+    """Start the endpoint picker beside ``service`` (sharing its router, state and KV index)."""
+    srv = EppServer(service, fallbacks=fallbacks)
+    await srv.start(host, port)
+    return srv

@@ -1,0 +1,275 @@
+"""The binary encoding of a :class:`schemas.kv.KvEventBatch` on ``kv.events`` (no I/O).
+
+A ``kv.events`` message is either the batch's JSON (the schema's own form: for humans,
+``infernex pub`` and every message stored before this encoding existed) or this compact
+msgpack form, which the bridge publishes by default. Consumers tell them apart by the first
+byte (JSON text starts with ``{`` or whitespace, this form with a msgpack array header) and
+the ``Content-Type`` header names it; both decode to the same batch.
+
+Layout (msgpack, every struct an array, ``u64le`` / ``u32le`` = a msgpack ``bin`` of packed
+little-endian unsigned integers, so a consumer maps them straight into arrays)::
+
+    batch   = ["kv1", schema_version, pod, model, dp_rank, epoch, seq, ts, [event, ...]]
+    stored  = ["s", block_hashes: u64le, token_ids: u32le, block_size, parent_block_hash|nil,
+               lora_id|nil, lora_name|nil, medium|nil, block_salts: u64le|nil,
+               parent_key|nil, block_keys: u64le|nil]
+    removed = ["r", block_hashes: u64le, medium|nil]
+    cleared = ["c", medium|nil]
+    reset   = ["x", reason]
+    gone    = ["g", reason]
+
+The rules are the JSON schema's (:mod:`schemas.kv`): at least one block hash, ``token_ids``
+holding ``len(block_hashes) * block_size`` ids (or none when ``block_keys`` is given), one
+salt / key per block. Token ids must fit 32 bits here: a batch with larger ones is sent as
+JSON. The message also carries the batch's identity in headers (:data:`HDR_POD`,
+:data:`HDR_MODEL`, :data:`HDR_EPOCH`, :data:`HDR_SEQ`), so tools can filter or find a position
+without decoding; the payload stays complete on its own (a replayed or dead-lettered message
+needs no headers to be read).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from schemas.base import SCHEMA_VERSION
+from schemas.kv import MAX_EPOCH, MAX_SEQ
+
+CONTENT_TYPE = "application/vnd.infernex.kv+msgpack"
+JSON_CONTENT_TYPE = "application/json"
+HDR_CONTENT_TYPE = "Content-Type"
+HDR_POD = "Infernex-Pod"
+HDR_MODEL = "Infernex-Model"
+HDR_EPOCH = "Infernex-Epoch"
+HDR_SEQ = "Infernex-Seq"
+BATCH_TAG = "kv1"
+ENCODINGS = ("binary", "json")
+
+_LITTLE = sys.byteorder == "little"
+assert array("I").itemsize == 4 and array("Q").itemsize == 8
+
+_Name = Annotated[str, msgspec.Meta(min_length=1)]
+_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # the upper bound (2**64-1) is msgpack's own: larger ints do not exist there
+_Medium = Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
+
+
+class WStored(msgspec.Struct, tag="s", array_like=True, gc=False):
+    block_hashes: memoryview
+    token_ids: memoryview
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    parent_block_hash: Union[_U64, None] = None
+    lora_id: Union[int, None] = None
+    lora_name: Union[str, None] = None
+    medium: Union[_Medium, None] = None
+    block_salts: Union[memoryview, None] = None
+    parent_key: Union[_U64, None] = None
+    block_keys: Union[memoryview, None] = None
+
+
+class WRemoved(msgspec.Struct, tag="r", array_like=True, gc=False):
+    block_hashes: memoryview
+    medium: Union[_Medium, None] = None
+
+
+class WCleared(msgspec.Struct, tag="c", array_like=True, gc=False):
+    medium: Union[_Medium, None] = None
+
+
+class WReset(msgspec.Struct, tag="x", array_like=True, gc=False):
+    reason: str = "engine restart"
+
+
+class WGone(msgspec.Struct, tag="g", array_like=True, gc=False):
+    reason: str = "pod deleted"
+
+
+WEvent = Union[WStored, WRemoved, WCleared, WReset, WGone]
+
+
+class WBatch(msgspec.Struct, tag=BATCH_TAG, array_like=True, gc=False):
+    schema_version: Annotated[int, msgspec.Meta(gt=0, le=SCHEMA_VERSION)]
+    pod: _Name
+    model: _Name
+    dp_rank: _NonNeg
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
+    seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+    ts: Annotated[float, msgspec.Meta(ge=0)]
+    events: list[WEvent]
+
+
+_decoder = msgspec.msgpack.Decoder(WBatch)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def is_binary(data: bytes) -> bool:
+    """True when ``data`` is in this encoding (a msgpack array), False for JSON text."""
+    if not data:
+        return False
+    b = data[0]
+    return 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD
+
+
+def pack(values: Any, typecode: str) -> bytes:
+    """Integers as packed little-endian ``typecode`` (``"Q"`` u64, ``"I"`` u32); OverflowError
+    when one does not fit. Takes a list, an ``array`` or a numpy array."""
+    if isinstance(values, array):
+        a = values if values.typecode == typecode else array(typecode, values)
+    elif hasattr(values, "astype") and hasattr(values, "dtype"):  # numpy, without importing it here
+        kind = values.dtype.kind
+        size = 8 if typecode == "Q" else 4
+        if kind == "u" and values.dtype.itemsize <= size:
+            return values.astype(f"<u{size}", copy=False).tobytes()
+        a = array(typecode, values.tolist())
+    else:
+        a = array(typecode, values)
+    if not _LITTLE:
+        a = array(typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def to_wire(batch: Any) -> WBatch:
+    """A batch (a :class:`schemas.kv.KvEventBatch`, or any object with its fields, such as the
+    bridge's normalized structs) as the wire struct. OverflowError / ValueError when it cannot be
+    expressed (token ids past 32 bits, hashes past 64): send it as JSON then."""
+    events: list = []
+    for e in batch.events:
+        t = e.type
+        if t == "stored":
+            salts = getattr(e, "block_salts", None)
+            keys = getattr(e, "block_keys", None)
+            events.append(WStored(
+                pack(e.block_hashes, "Q"), pack(e.token_ids, "I"), e.block_size, e.parent_block_hash,
+                e.lora_id, e.lora_name, e.medium, None if salts is None else pack(salts, "Q"),
+                getattr(e, "parent_key", None), None if keys is None else pack(keys, "Q")))
+        elif t == "removed":
+            events.append(WRemoved(pack(e.block_hashes, "Q"), e.medium))
+        elif t == "cleared":
+            events.append(WCleared(e.medium))
+        elif t == "reset":
+            events.append(WReset(e.reason))
+        elif t == "gone":
+            events.append(WGone(e.reason))
+        else:
+            raise ValueError(f"unknown KV event type {t!r}")
+    return WBatch(getattr(batch, "schema_version", SCHEMA_VERSION), batch.pod, batch.model, batch.dp_rank,
+                  batch.epoch, batch.seq, batch.ts, events)
+
+
+def encode(batch: Any) -> bytes:
+    """The batch in this encoding (see :func:`to_wire` for what cannot be)."""
+    return _encoder.encode(to_wire(batch))
+
+
+def decode(data: bytes) -> WBatch:
+    """The wire struct; ``msgspec.DecodeError`` / ``ValidationError`` (both ``ValueError``s)
+    when ``data`` is not a valid message of this encoding. Array fields are memoryviews into
+    ``data`` (no copy); the array lengths are checked by the consumer that maps them."""
+    return _decoder.decode(data)
+
+
+def unpack(view: memoryview | bytes, typecode: str) -> list[int]:
+    """Inverse of :func:`pack` (Python ints; consumers on the hot path map the bytes into
+    numpy arrays instead). ValueError when the length is not a whole number of items."""
+    a = array(typecode)
+    if len(view) % a.itemsize:
+        raise ValueError(f"{len(view)} bytes are not a whole number of {a.itemsize}-byte integers")
+    a.frombytes(view)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def to_dict(w: WBatch) -> dict[str, Any]:
+    """The wire struct as the JSON document of the same batch (for full validation, tools and
+    humans: ``infernex tail`` prints binary messages this way)."""
+    events = []
+    for e in w.events:
+        t = type(e)
+        if t is WStored:
+            d: dict[str, Any] = {"type": "stored", "block_hashes": unpack(e.block_hashes, "Q"),
+                                 "parent_block_hash": e.parent_block_hash, "token_ids": unpack(e.token_ids, "I"),
+                                 "block_size": e.block_size, "lora_id": e.lora_id, "lora_name": e.lora_name,
+                                 "medium": e.medium}
+            if e.block_salts is not None:
+                d["block_salts"] = unpack(e.block_salts, "Q")
+            if e.parent_key is not None:
+                d["parent_key"] = e.parent_key
+            if e.block_keys is not None:
+                d["block_keys"] = unpack(e.block_keys, "Q")
+        elif t is WRemoved:
+            d = {"type": "removed", "block_hashes": unpack(e.block_hashes, "Q"), "medium": e.medium}
+        elif t is WCleared:
+            d = {"type": "cleared", "medium": e.medium}
+        elif t is WReset:
+            d = {"type": "reset", "reason": e.reason}
+        else:
+            d = {"type": "gone", "reason": e.reason}
+        events.append(d)
+    return {"schema_version": w.schema_version, "pod": w.pod, "model": w.model, "dp_rank": w.dp_rank,
+            "epoch": w.epoch, "seq": w.seq, "ts": w.ts, "events": events}
+
+
+def headers(pod: str, model: str, epoch: int, seq: int, content_type: str = CONTENT_TYPE) -> dict[str, str]:
+    """The NATS headers of one ``kv.events`` message."""
+    return {HDR_CONTENT_TYPE: content_type, HDR_POD: pod, HDR_MODEL: model, HDR_EPOCH: str(epoch),
+            HDR_SEQ: str(seq)}
+
+
+# --- the contract as JSON Schema (for the AsyncAPI document) -------------------------------------
+
+def _bin(what: str) -> dict[str, Any]:
+    return {"type": "string", "contentEncoding": "binary", "description": f"msgpack bin: {what}"}
+
+
+_OPT = {"type": ["integer", "null"], "minimum": 0}
+_STR_OPT = {"type": ["string", "null"]}
+
+#: the message's JSON Schema: tuple arrays (msgpack arrays) in the field order above
+PAYLOAD_SCHEMA: dict[str, Any] = {
+    "title": "KvEventBatchBinary",
+    "description": "A KvEventBatch in the binary encoding (schemas/kv_binary.py): msgpack arrays, block "
+                   "hashes / token ids / salts / keys as packed little-endian uint64 / uint32 in msgpack bin.",
+    "type": "array",
+    "items": [
+        {"const": BATCH_TAG}, {"type": "integer", "minimum": 1, "maximum": SCHEMA_VERSION, "title": "schema_version"},
+        {"type": "string", "minLength": 1, "title": "pod"}, {"type": "string", "minLength": 1, "title": "model"},
+        {"type": "integer", "minimum": 0, "title": "dp_rank"},
+        {"type": "integer", "minimum": 0, "maximum": MAX_EPOCH, "title": "epoch"},
+        {"type": "integer", "minimum": 0, "maximum": MAX_SEQ, "title": "seq"},
+        {"type": "number", "minimum": 0, "title": "ts"},
+        {"type": "array", "title": "events", "items": {"oneOf": [
+            {"title": "stored", "type": "array", "items": [
+                {"const": "s"}, _bin("block_hashes, uint64 LE, at least one"),
+                _bin("token_ids, uint32 LE, len(block_hashes) * block_size of them (none with block_keys)"),
+                {"type": "integer", "minimum": 1, "title": "block_size"}, _OPT, {"type": ["integer", "null"]},
+                _STR_OPT, _STR_OPT, _bin("block_salts, uint64 LE, one per block, or nil"), _OPT,
+                _bin("block_keys, uint64 LE, one per block, or nil")]},
+            {"title": "removed", "type": "array", "items": [{"const": "r"}, _bin("block_hashes, uint64 LE"),
+                                                              _STR_OPT]},
+            {"title": "cleared", "type": "array", "items": [{"const": "c"}, _STR_OPT]},
+            {"title": "reset", "type": "array", "items": [{"const": "x"}, {"type": "string"}]},
+            {"title": "gone", "type": "array", "items": [{"const": "g"}, {"type": "string"}]},
+        ]}},
+    ],
+}
+
+#: the headers every kv.events message carries (the binary ones always; the bridge sets them on JSON too)
+HEADERS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        HDR_CONTENT_TYPE: {"type": "string", "enum": [CONTENT_TYPE, JSON_CONTENT_TYPE]},
+        HDR_POD: {"type": "string"}, HDR_MODEL: {"type": "string"},
+        HDR_EPOCH: {"type": "string", "pattern": "^[0-9]+$"}, HDR_SEQ: {"type": "string", "pattern": "^[0-9]+$"},
+        "Nats-Msg-Id": {"type": "string", "description": "<pod>:<epoch>:<seq> (de-duplication)"},
+    },
+}
+
+
+__all__ = ["BATCH_TAG", "CONTENT_TYPE", "HEADERS_SCHEMA", "PAYLOAD_SCHEMA", "ENCODINGS", "HDR_CONTENT_TYPE", "HDR_EPOCH", "HDR_MODEL", "HDR_POD",
+           "HDR_SEQ", "JSON_CONTENT_TYPE", "WBatch", "WCleared", "WEvent", "WGone", "WRemoved", "WReset",
+           "WStored", "decode", "encode", "headers", "is_binary", "pack", "to_dict", "to_wire", "unpack"]
