@@ -300,6 +300,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
     incident: dict = {}
     results: list[StrategyResult] = []
     conditions: dict[str, RunConditions] = {}
+    timelines: dict[str, list] = {}
     sla_targets = None
     try:
         server.start()
@@ -434,6 +435,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                 requests=len(rows), max_start_lag_s=summary.max_start_lag_s, steal=steal, load=os.getloadavg()[0],
                 cores=os.cpu_count() or 1, records_unique=unique, records_duplicate=len(mine) - unique)
             res.write(cfg.out / f"replay-{strategy}.json")
+            timelines[strategy] = res.requests
             windows[strategy] = (t_wall, time.time())
             late = conditions[strategy].problems()
             console.print(f"    {summary.ok}/{summary.requests} ok in {time.monotonic() - t:.1f}s, "
@@ -488,7 +490,12 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                     [[s_, f"{c.max_start_lag_s or 0:.2f}", "-" if c.steal is None else f"{c.steal:.1%}",
                       f"{c.load:.1f} / {c.cores} cores", f"{c.records_unique}/{c.requests}", str(c.records_duplicate),
                       "; ".join(c.problems()) or "none"] for s_, c in conditions.items()]))
+            from infernex.report import plot_timeline
+
+            timeline = await asyncio.to_thread(plot_timeline, timelines, lag_limit_s=MAX_START_LAG_S)
             paths = write_report(results, cfg.out, title="Live run: " + title, sections=sections, verdicts=verdicts,
+                                 images=[("timeline.png", "The live run over time: TTFT and client lag per strategy",
+                                          timeline)],
                                  notes=[
                 f"latencies are wall-clock; the simulated engines run {cfg.time_scale:g}x faster than the "
                 f"{cfg.hardware} profile, and trace arrivals are compressed by the same factor",

@@ -123,17 +123,53 @@ def plot_png(results: list[StrategyResult], title: str) -> bytes:
     return buf.getvalue()
 
 
+def plot_timeline(runs: dict[str, list], *, lag_limit_s: float | None = None) -> bytes:
+    """The run as time series, one line per strategy: TTFT (client) and how far the client fell
+    behind the trace's schedule, against the scheduled send time. 9 x 4.2 inches at 100 dpi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
+    for strategy, reqs in runs.items():
+        ok = sorted((r.scheduled_s, r.ttft_s * 1000) for r in reqs if r.status == "ok" and r.ttft_s is not None)
+        if ok:
+            top.plot([a for a, _ in ok], [b for _, b in ok], lw=0.9, label=strategy)
+        lag = sorted((r.scheduled_s, r.start_s - r.scheduled_s) for r in reqs if r.start_s is not None)
+        if lag:
+            bottom.plot([a for a, _ in lag], [b for _, b in lag], lw=0.9, label=strategy)
+    top.set_ylabel("TTFT, client (ms)", fontsize=8)
+    top.set_yscale("log")
+    top.legend(fontsize=7, ncol=4)
+    bottom.set_ylabel("client behind\nschedule (s)", fontsize=8)
+    if lag_limit_s is not None:
+        bottom.axhline(lag_limit_s, color="red", lw=0.8, ls="--", label=f"validity limit {lag_limit_s:g} s")
+        bottom.legend(fontsize=7, ncol=5)
+    bottom.set_xlabel("scheduled send time in the run (s)", fontsize=8)
+    for ax in (top, bottom):
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 Section = tuple[str, list[str], list[list[str]]]  # heading, column names, rows of cells
 
 
 def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, notes: list[str] | None = None,
-                 sections: list[Section] | None = None, verdicts: list[tuple[str, bool]] | None = None) -> dict:
+                 sections: list[Section] | None = None, verdicts: list[tuple[str, bool]] | None = None,
+                 images: list[tuple[str, str, bytes]] | None = None) -> dict:
     """Write ``comparison.png``, ``report.html``, ``report.md`` and ``results.json``; return paths.
     ``sections``: more tables after the comparison (e.g. the demo's SLA history and incident)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     notes = [*NOTES, *(notes or [])]
     png = plot_png(results, title)
     (out_dir / "comparison.png").write_bytes(png)
+    for name, _, data in images or []:
+        (out_dir / name).write_bytes(data)
     md = f"# {title}\n\n" + "".join(f"**{t}**\n\n" for t, _ in verdicts or []) + markdown_table(results) + "\n"
     if notes:
         md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
@@ -161,6 +197,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}td:first-child{{t
 <table><tr>{''.join(f'<th>{html.escape(n)}</th>' for n, _ in COLUMNS)}</tr>{rows_html}</table>
 <ul>{notes_html}</ul>
 <img alt="comparison plot" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>
+{"".join(f'<h2>{html.escape(cap)}</h2><img alt="{html.escape(cap)}" src="data:image/png;base64,{base64.b64encode(data).decode()}"/>' for _, cap, data in images or [])}
 {sections_html}
 </body></html>
 """
