@@ -127,7 +127,11 @@ def publisher_proc(ports, cmds, done, args) -> None:
 
 def indexer_role(url: str, lag_file: str, port: int) -> None:
     """``IndexerService`` on uvloop, as ``infernex indexer`` runs it, recording every lag."""
+    import logging
+
     import uvloop
+
+    logging.basicConfig(level=logging.WARNING, format="indexer %(levelname)s %(name)s: %(message)s")
     from prometheus_client import CollectorRegistry
 
     from consumers.indexer import IndexerConfig, IndexerService
@@ -275,7 +279,7 @@ async def one_run(encoding: str, args) -> dict:
             bridges.append(subprocess.Popen(
                 [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv", "--endpoint", f"tcp://127.0.0.1:{p}",
                  "--pod", f"pod-{i}", "--model", MODEL, "--encoding", encoding, "--metrics-port", str(mports[i])],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"bridge-{i}.log", "w")))
         procs.extend(bridges)
         cmds.put("warm")
         deadline = time.monotonic() + 120
@@ -330,6 +334,13 @@ async def one_run(encoding: str, args) -> dict:
         ix.send_signal(signal.SIGTERM)
         ix.wait(30)
         lags = sorted(v for t, v in json.loads(lag_file.read_text()) if t >= t_paced)
+        warned = sum(1 for i in range(args.pods) for line in open(Path(tmp) / f"bridge-{i}.log")
+                     if "WARNING" in line or "retrying" in line or "lost" in line)
+        res["bridge_warnings"] = warned
+        if warned:
+            print(f"  ({warned} bridge warnings, e.g. "
+                  f"{next(iter(l for i in range(args.pods) for l in open(Path(tmp) / f'bridge-{i}.log')), '')[:160]!r})",
+                  flush=True)
         if lags:
             res["lag_ms"] = {"n": len(lags), "p50": lags[len(lags) // 2] * 1e3,
                              "p99": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3, "max": lags[-1] * 1e3}
