@@ -29,7 +29,6 @@ needs no headers to be read).
 
 from __future__ import annotations
 
-import struct
 import sys
 from array import array
 from typing import Annotated, Any, Union
@@ -103,7 +102,6 @@ class WBatch(msgspec.Struct, tag=BATCH_TAG, array_like=True, gc=False):
 
 
 _decoder = msgspec.msgpack.Decoder(WBatch)
-_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -127,16 +125,7 @@ def pack(values: Any, typecode: str) -> bytes:
             return values.astype(f"<u{size}", copy=False).tobytes()
         a = array(typecode, values.tolist())
     else:
-        n = len(values)
-        st = _STRUCTS.get((typecode, n))
-        if st is None:
-            if len(_STRUCTS) > 4096:
-                _STRUCTS.clear()
-            st = _STRUCTS[(typecode, n)] = struct.Struct(f"<{n}{typecode}")
-        try:
-            return st.pack(*values)  # a third cheaper than array(typecode, list) for ints
-        except struct.error as exc:
-            raise OverflowError(f"a value does not fit {st.size // max(1, n) * 8} bits: {exc}") from None
+        a = array(typecode, values)  # OverflowError past the type's range
     if not _LITTLE:
         a = array(typecode, a)
         a.byteswap()
