@@ -127,7 +127,11 @@ def publisher_proc(ports, cmds, done, args) -> None:
 
 def indexer_role(url: str, lag_file: str, port: int) -> None:
     """``IndexerService`` on uvloop, as ``infernex indexer`` runs it, recording every lag."""
+    import logging
+
     import uvloop
+
+    logging.basicConfig(level=logging.WARNING, format="indexer %(levelname)s %(name)s: %(message)s")
     from prometheus_client import CollectorRegistry
 
     from consumers.indexer import IndexerConfig, IndexerService
@@ -174,6 +178,33 @@ async def _metric(http, name: str) -> float:
 DYNAMO_APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
 
 
+async def _until_applied(count, want, done, timeout, cpu):
+    """Poll ``count()`` until it reaches ``want``, or the publisher is done and nothing more was
+    applied for 2 s (frames ZMQ dropped under the flat-out load never come: the rate counts up
+    to the last batch applied, and the shortfall is reported). ``(count, time, cpu)`` at the last
+    progress."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    sent = None
+    last, t_last, c_last = await count(), time.perf_counter(), cpu()
+    while last < want and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        if sent is None:
+            try:
+                sent = done.get_nowait()
+            except queue.Empty:
+                pass
+        got = await count()
+        if got != last:
+            last, t_last, c_last = got, time.perf_counter(), cpu()
+        elif sent is not None and time.perf_counter() - t_last > 2.0:
+            break
+    if sent is None:
+        done.get(timeout=60)
+    return last, t_last, c_last
+
+
 async def _dynamo_stored(http) -> float:
     text = (await http.get("/metrics")).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -215,15 +246,12 @@ async def dynamo_run(args) -> dict:
             base = await _dynamo_stored(http)
             c0, t0 = cpu_seconds(dyn.pid), time.perf_counter()
             want = base + args.frames * args.pods
-            deadline = time.monotonic() + args.timeout
-            while (got := await _dynamo_stored(http)) < want and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            t1, c1 = time.perf_counter(), cpu_seconds(dyn.pid)
-            done.get(timeout=60)
+            got, t1, c1 = await _until_applied(lambda: _dynamo_stored(http), want, done, args.timeout,
+                                               lambda: cpu_seconds(dyn.pid))
         n = got - base
         stored = n * args.stored
         per = (c1 - c0) / stored * 1e6
-        return {"encoding": "dynamo", "batches": n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
+        return {"encoding": "dynamo", "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
                 "cpu_us_per_block": {"bridges": 0.0, "nats-server": 0.0, "indexer": per, "all": per}}
     finally:
         cmds.put("stop")
@@ -275,7 +303,7 @@ async def one_run(encoding: str, args) -> dict:
             bridges.append(subprocess.Popen(
                 [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv", "--endpoint", f"tcp://127.0.0.1:{p}",
                  "--pod", f"pod-{i}", "--model", MODEL, "--encoding", encoding, "--metrics-port", str(mports[i])],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"bridge-{i}.log", "w")))
         procs.extend(bridges)
         cmds.put("warm")
         deadline = time.monotonic() + 120
@@ -305,16 +333,11 @@ async def one_run(encoding: str, args) -> dict:
             base = await _metric(http, "infernex_indexer_batches_total")
             c0, t0 = cpu(), time.perf_counter()
             want = base + args.frames * args.pods
-            deadline = time.monotonic() + args.timeout
-            while (got := await _metric(http, "infernex_indexer_batches_total")) < want:
-                if time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.02)
-            t1, c1 = time.perf_counter(), cpu()
-            done.get(timeout=60)
+            got, t1, c1 = await _until_applied(lambda: _metric(http, "infernex_indexer_batches_total"), want, done,
+                                               args.timeout, cpu)
             n = got - base
             stored = n * args.stored
-            res = {"encoding": encoding, "batches": n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
+            res = {"encoding": encoding, "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
                    "cpu_us_per_block": {k: (c1[k] - c0[k]) / stored * 1e6 for k in c0}}
             res["cpu_us_per_block"]["all"] = sum(res["cpu_us_per_block"].values())
             # paced
@@ -330,6 +353,13 @@ async def one_run(encoding: str, args) -> dict:
         ix.send_signal(signal.SIGTERM)
         ix.wait(30)
         lags = sorted(v for t, v in json.loads(lag_file.read_text()) if t >= t_paced)
+        warned = sum(1 for i in range(args.pods) for line in open(Path(tmp) / f"bridge-{i}.log")
+                     if "WARNING" in line or "retrying" in line or "lost" in line)
+        res["bridge_warnings"] = warned
+        if warned:
+            print(f"  ({warned} bridge warnings, e.g. "
+                  f"{next(iter(l for i in range(args.pods) for l in open(Path(tmp) / f'bridge-{i}.log')), '')[:160]!r})",
+                  flush=True)
         if lags:
             res["lag_ms"] = {"n": len(lags), "p50": lags[len(lags) // 2] * 1e3,
                              "p99": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3, "max": lags[-1] * 1e3}
@@ -386,7 +416,7 @@ def main() -> None:
             cpu = res["cpu_us_per_block"]
             lag = res.get("lag_ms", {})
             print(f"run {r + 1} {e:6s}: {res['blocks_per_s']:,.0f} stored blocks/s ({res['batches']:.0f} batches, "
-                  f"{res['wall_s']:.2f}s); CPU us/block all {cpu['all']:.2f} (bridges {cpu['bridges']:.2f}, "
+                  f"{res['wall_s']:.2f}s, {res['lost']:.0f} frames lost); CPU us/block all {cpu['all']:.2f} (bridges {cpu['bridges']:.2f}, "
                   f"nats {cpu['nats-server']:.2f}, indexer {cpu['indexer']:.2f}); lag at {args.rate:.0f}/s "
                   f"p50 {lag.get('p50', float('nan')):.1f} p99 {lag.get('p99', float('nan')):.1f} "
                   f"max {lag.get('max', float('nan')):.1f} ms", flush=True)

@@ -125,7 +125,7 @@ def pack(values: Any, typecode: str) -> bytes:
             return values.astype(f"<u{size}", copy=False).tobytes()
         a = array(typecode, values.tolist())
     else:
-        a = array(typecode, values)
+        a = array(typecode, values)  # OverflowError past the type's range
     if not _LITTLE:
         a = array(typecode, a)
         a.byteswap()
