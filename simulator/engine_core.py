@@ -36,7 +36,7 @@ from typing import Any, Hashable
 import xxhash
 
 from simulator.config import EngineConfig
-from simulator.hashing import BlockHasher, to_external
+from simulator.hashing import BlockHasher, event_extra_keys, to_external
 from simulator.kv_events import AllBlocksCleared, KvCacheEventT, block_removed, block_stored
 
 _U64 = (1 << 64) - 1
@@ -436,7 +436,7 @@ class EngineCore:
         while len(keys) < full:  # blocks of generated tokens (or of a resumed request)
             i = len(keys)
             keys.append(self.hasher.hash_block(keys[-1] if i else None, self._tokens(req, i * bs, (i + 1) * bs),
-                                               (req.cache_salt,) if i == 0 and req.cache_salt else None))
+                                               self.hasher.salt_key(req.cache_salt) if i == 0 and req.cache_salt else None))
         cached, key_of, blocks = self._cached, self._key, req.blocks
         run_start = -1
         for i in range(start, full + 1):
@@ -454,10 +454,14 @@ class EngineCore:
             elif run_start >= 0:
                 if events is not None:
                     ext = self._external
+                    extra = {}
+                    if run_start == 0 and req.cache_salt:  # vLLM publishes the salt with the first block
+                        extra["extra_keys"] = event_extra_keys(
+                            [self.hasher.salt_key(req.cache_salt)] + [None] * (i - 1), self.hasher.style)
                     events.append(block_stored(
                         [ext(k) for k in keys[run_start:i]],
                         ext(keys[run_start - 1]) if run_start else None,
-                        self._tokens(req, run_start * bs, i * bs), bs))
+                        self._tokens(req, run_start * bs, i * bs), bs, **extra))
                 run_start = -1
         req.num_cached_blocks = done
 

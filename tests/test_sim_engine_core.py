@@ -479,3 +479,39 @@ def test_tokenless_pd_transfer():
     out = {}
     drain(cons, res.end, outputs=out)
     assert len(tokens_of(out, "r")) == 5 and cons.cached_block_hashes() == set(keys)
+
+
+@pytest.mark.parametrize("fmt", ["0.33", "0.22"])
+def test_salted_prompt_blocks_are_keyed_by_their_salt_end_to_end(fmt):
+    """A request with ``cache_salt``: the engine hashes its first block with the salt (as the
+    release does) and publishes the salt in ``extra_keys``; through vLLM's wire encoding, our
+    decoder and the KV index, only a request with the same salt finds those blocks."""
+    from consumers.kv_wire import decode_frame
+    from router.core import overlaps_from_index
+    from router.types import RoutingRequest
+    from schemas.kv import KvEventBatch
+    from simulator.kv_events import encode_batch
+    from streams.clock import ManualClock
+    from streams.kv_index import KvIndex
+
+    core = make(block_size=16)
+    prompt = list(range(100, 165))  # 4 full blocks + 1 token
+    core.add_request("salted", prompt, 1, 0.0, cache_salt="tenant-a")
+    events: list = []
+    drain(core, events=events)
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    assert stored and stored[0].extra_keys is not None and stored[0].extra_keys[0] is not None
+    norm = decode_frame(encode_batch(events, ts=1.0, fmt=fmt))
+    assert norm.blocks_stored == 4 and not norm.skipped
+    idx = KvIndex(ManualClock(0))
+    import msgspec
+
+    idx.apply(KvEventBatch.model_validate(
+        {"pod": "p", "model": "m", "seq": 0, "ts": 1.0, "events": msgspec.to_builtins(norm.events)}))
+
+    def matched(**kw):
+        return overlaps_from_index(idx, RoutingRequest(model="m", token_ids=prompt, prompt_tokens=len(prompt), **kw),
+                                   approximate=False)
+
+    assert matched(cache_salt="tenant-a") == {"p": 4}
+    assert matched() == {} and matched(cache_salt="tenant-b") == {}
