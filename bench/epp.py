@@ -179,7 +179,15 @@ async def run(args) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         http_port, epp_port, *urls = sys.argv[2:]
-        asyncio.run(serve(urls, int(http_port), int(epp_port)))
+        run_ = asyncio.run
+        if os.environ.get("BENCH_LOOP", "uvloop") == "uvloop":
+            try:  # as `infernex router` runs
+                import uvloop
+
+                run_ = uvloop.run
+            except ImportError:
+                pass
+        run_(serve(urls, int(http_port), int(epp_port)))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--pods", type=int, default=16)

@@ -7,8 +7,10 @@ The queried part is the same in every index: 16 pods, 32 shared system prompts o
 The larger index adds never-queried blocks (other conversations) on the same pods until it holds
 ``size`` distinct blocks, so only the table size changes. Queries are 128-512-block prefixes of
 those conversations (popular ones more often), as bench/kv_index.py's. ``match_keys`` is timed
-on each index in turn, query by query, with this tree's query kernel and (``--before-ref``) the
-kernel of ``streams/kv_core.py`` at that git ref, on the same tables: before/after in one run.
+on each index in turn, query by query, with this tree's ``streams/kv_core.py`` and
+(``--before-ref``) the one at that git ref, each building its own tables (allocation is part of
+the layout), the two taking turns query by query (never both on one query, the second would
+find the prompt's keys in the cache): before/after in one run.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROOT = sys.path[0]
 
-import streams.kv_index as kv_index  # noqa: E402
-from schemas.kv import BlockStored, KvEventBatch  # noqa: E402
-from streams.clock import ManualClock  # noqa: E402
-from streams.kv_index import KvIndex, block_keys, warm_up  # noqa: E402
+from schemas.kv import BlockStored, KvEventBatch
+from streams import kv_index
+from streams.clock import ManualClock
+from streams.kv_index import KvIndex, block_keys, warm_up
 
 BS, PODS, FAMILIES, FAMILY_BLOCKS, CONVS, CONV_BLOCKS = 16, 16, 32, 128, 256, 384
 
@@ -91,7 +93,7 @@ def pct(xs, p):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100000,5000000")
-    ap.add_argument("--queries", type=int, default=4000)
+    ap.add_argument("--queries", type=int, default=6000)
     ap.add_argument("--before-ref", default=None)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -105,48 +107,52 @@ def main() -> None:
     convs = [np.asarray(block_keys(t.tolist(), BS).array) for t in tokens]
     holders = [tuple(int(x) for x in rng.choice(PODS, size=2, replace=False)) for _ in range(CONVS)]
     sizes = [int(s) for s in args.sizes.split(",")]
-    idxs = []
-    for s in sizes:
-        t = time.perf_counter()
-        idxs.append(build(s, convs, holders, args.seed + s))
-        print(f"index of {len(idxs[-1]):,} distinct blocks built in {time.perf_counter() - t:.1f}s "
-              f"(key table {idxs[-1]._models['bench'].kt.nbytes / 2**20:.0f} MiB)")
+    kernels = [("after", kv_index.core)]
+    if args.before_ref:
+        kernels.append((f"before ({args.before_ref})", load_core(args.before_ref)))
+    new_core = kv_index.core
+    built = {}  # each variant builds its own tables (allocation and layout are part of the change)
+    for name, mod in kernels:
+        kv_index.core = mod
+        for s in sizes:
+            t = time.perf_counter()
+            idx = built[(name, s)] = build(s, convs, holders, args.seed + s)
+            print(f"{name}: index of {len(idx):,} distinct blocks built in {time.perf_counter() - t:.1f}s "
+                  f"(key table {idx._models['bench'].kt.nbytes / 2**20:.0f} MiB)")
     qrng = np.random.default_rng(args.seed + 7)
     queries = []
     for _ in range(args.queries):
         c = min(int(qrng.pareto(1.2)), CONVS - 1) if qrng.random() < 0.5 else int(qrng.integers(CONVS))
         n = int(qrng.integers(128, 513))
         queries.append(convs[c][:n].copy())
-    kernels = [("after", kv_index.core)]
-    if args.before_ref:
-        kernels.append((f"before ({args.before_ref})", load_core(args.before_ref)))
-    new_core = kv_index.core
     lat = {(k, s): [] for k, _ in kernels for s in sizes}
-    walked = {s: [] for s in sizes}
+    walked = {(k, s): [] for k, _ in kernels for s in sizes}
     for name, mod in kernels:  # compile + first touch outside the timing
         kv_index.core = mod
-        for idx in idxs:
+        for s in sizes:
             for q in queries[:50]:
-                idx.match_keys("bench", q)
+                built[(name, s)].match_keys("bench", q)
     for i, q in enumerate(queries):
-        order = [(k, m, s, idx) for k, m in kernels for s, idx in zip(sizes, idxs)]
-        if i % 2:
-            order.reverse()
-        for name, mod, s, idx in order:
-            kv_index.core = mod
+        # one variant per query (taking turns), both sizes per query, the order alternating
+        name, mod = kernels[i % len(kernels)]
+        kv_index.core = mod
+        order = list(sizes) if (i // len(kernels)) % 2 == 0 else list(reversed(sizes))
+        for s in order:
+            idx = built[(name, s)]
             t = time.perf_counter()
             r = idx.match_keys("bench", q)
             lat[(name, s)].append(time.perf_counter() - t)
-            if name == "after":
-                walked[s].append(max((m.matched_blocks for m in r.values()), default=0))
+            walked[(name, s)].append(max((m.matched_blocks for m in r.values()), default=0))
     kv_index.core = new_core
-    assert all(walked[s] == walked[sizes[0]] for s in sizes), "indexes answered differently"
-    print(f"{args.queries} queries of 128-512 blocks, mean best match {statistics.mean(walked[sizes[0]]):.0f} blocks")
+    for name, _ in kernels:
+        assert all(walked[(name, s)] == walked[(name, sizes[0])] for s in sizes), "indexes answered differently"
+    allw = [w for v in walked.values() for w in v]
+    print(f"{args.queries} queries of 128-512 blocks, mean best match {statistics.mean(allw):.0f} blocks")
     for name, _ in kernels:
         base = pct(lat[(name, sizes[0])], 50)
         for s in sizes:
             xs = lat[(name, s)]
-            print(f"kernel {name:<16} {s:>10,} blocks: match_keys p50 {pct(xs, 50) * 1e6:6.1f} us  "
+            print(f"{name:<16} {s:>10,} blocks: match_keys p50 {pct(xs, 50) * 1e6:6.1f} us  "
                   f"p99 {pct(xs, 99) * 1e6:7.1f} us  ({pct(xs, 50) / base:.2f}x the smallest)")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 

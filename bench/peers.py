@@ -22,7 +22,7 @@ def peer_python(package: str, module: str | None = None) -> str | None:
     venv = CACHE / package
     py = venv / "bin" / "python"
     module = module or package.replace("-", "_")
-    if py.exists() and subprocess.run([str(py), "-c", f"import {module}"], capture_output=True).returncode == 0:
+    if py.exists() and subprocess.run([str(py), "-c", f"import {module}"], capture_output=True, check=False).returncode == 0:
         return str(py)
     try:
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -39,7 +39,7 @@ def peer_python(package: str, module: str | None = None) -> str | None:
 
 def peer_version(py: str, package: str) -> str:
     out = subprocess.run([py, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     return out.stdout.strip() or "?"
 
 

@@ -209,6 +209,8 @@ async def main_async(args):
         await wait_http(urls[0] + "/health")
         contenders = []
         trees = [("", ROOT)]
+        if args.baseline:  # the same router from another source tree, same run
+            trees.append((" before", os.path.abspath(args.baseline)))
         if args.before_ref:
             trees.append((f" @{args.before_ref}", extract_ref(args.before_ref)))
         for strategy in args.strategies.split(","):
@@ -303,6 +305,8 @@ def main():
     ap.add_argument("--peers", default="", help="peer routers to install in a cache venv, e.g. sglang-router")
     ap.add_argument("--peer-policies", default="round_robin,cache_aware")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved throughput rounds (median)")
+    ap.add_argument("--baseline", default=None,
+                    help="source tree of an earlier version: its router runs in the same rounds ('before ...')")
     args = ap.parse_args()
     if args.prompt_chars:
         prompts = _bench_module("tokenizer_speed").make_prompts(args.prompt_pool, args.prompt_chars)

@@ -2,7 +2,7 @@
 (Not named ``tokenize.py``: run as a script from bench/, it would shadow the standard library's
 ``tokenize``, which ``inspect`` imports.)
 
-    PYTHONPATH=. python bench/tokenizer_speed.py [--chars 7400] [--prompts 400] [--before-ref main]
+    PYTHONPATH=. python bench/tokenizer_speed.py [--chars 7400] [--prompts 400] [--before-ref 5e5a381]
 
 Prompts are ~7.4k characters as in the router bench: one of 8 shared documents (~80% of the
 text) followed by a question of fresh random words, so each prompt shares a long prefix with
@@ -31,10 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-WORDS = ("the router sends each request to engine that already holds its prefix in cache block token "
-         "model prompt answer question document section table figure result method value shared "
-         "Paris Berlin capital country river mountain weather report summary, value; (note) 42 2026 "
-         "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi").split()
+WORDS = ["the", "router", "sends", "each", "request", "to", "engine", "that", "already", "holds", "its", "prefix", "in", "cache", "block", "token", "model", "prompt", "answer", "question", "document", "section", "table", "figure", "result", "method", "value", "shared", "Paris", "Berlin", "capital", "country", "river", "mountain", "weather", "report", "summary,", "value;", "(note)", "42", "2026", "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi"]
 
 
 def make_prompts(n: int, chars: int, seed: int = 1) -> list[str]:
@@ -80,7 +77,8 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=7400)
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--before-ref", default="main")
+    ap.add_argument("--before-ref", default="5e5a381", help="git ref of the old tokenizer (default: the last "
+                    "commit before session 5's change)")
     args = ap.parse_args()
     from simulator.tokenizer import HFTokenizer, SimpleTokenizer, request_to_ids
 

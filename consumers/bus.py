@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 import base64
 import hashlib
 import logging
@@ -57,13 +58,16 @@ async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
     if cfg.credentials_file is not None:
         opts["user_credentials"] = str(cfg.credentials_file)
     if cfg.tls is not None:
-        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None)
+        ctx = ssl.create_default_context(cafile=str(cfg.tls.ca_file) if cfg.tls.ca_file else None,
+                                         cadata=cfg.tls.ca_pem or None)
         if cfg.tls.cert_file:
             ctx.load_cert_chain(str(cfg.tls.cert_file), str(cfg.tls.key_file) if cfg.tls.key_file else None)
         if not cfg.tls.verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
         opts["tls"] = ctx
+        if cfg.tls.server_name:
+            opts["tls_hostname"] = cfg.tls.server_name
 
     first: list[Exception] = []  # errors before the first connection: the reason if it never comes
 
@@ -254,6 +258,27 @@ def make_dead_letter(stream: str, subject: str, data: bytes, reason: str, *, con
     )
 
 
+_DLQ_COUNTERS: "weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter]]" = weakref.WeakKeyDictionary()
+
+
+def _dead_letter_counters(registry: CollectorRegistry | None) -> tuple[Counter, Counter]:
+    """The DLQ counters of ``registry``, shared by every :class:`DeadLetters` of one process
+    (a sink and its planner both dead-letter; the ``consumer`` label tells them apart)."""
+    if registry is not None and registry in _DLQ_COUNTERS:
+        return _DLQ_COUNTERS[registry]
+    pair = (
+        Counter("infernex_dead_letters_total",
+                "Dead letters stored in the DLQ stream (bad input skipped), by stream and reason class",
+                ["stream", "consumer", "reason"], registry=registry),
+        Counter("infernex_dead_letter_publish_failures_total",
+                "Bad messages skipped whose dead letter could not be published, by stream",
+                ["stream", "consumer"], registry=registry),
+    )
+    if registry is not None:
+        _DLQ_COUNTERS[registry] = pair
+    return pair
+
+
 class DeadLetters:
     """Sends rejected input to ``dlq.<stream>`` with the reason, and counts what happened.
 
@@ -270,18 +295,7 @@ class DeadLetters:
         self._consumer = consumer
         self._prefix = prefix
         self._timeout = timeout_s
-        self.counter = Counter(
-            "infernex_dead_letters_total",
-            "Dead letters stored in the DLQ stream (bad input skipped), by stream and reason class",
-            ["stream", "consumer", "reason"],
-            registry=registry,
-        )
-        self.failures = Counter(
-            "infernex_dead_letter_publish_failures_total",
-            "Bad messages skipped whose dead letter could not be published, by stream",
-            ["stream", "consumer"],
-            registry=registry,
-        )
+        self.counter, self.failures = _dead_letter_counters(registry)
         self.count = 0  # letters stored
         self.failed = 0  # letters that could not be published
 

@@ -67,8 +67,12 @@ Reader = Callable[[], Awaitable[list[DeviceTelemetry]]]
 
 
 def make_reader(source: str, node: str, location: str | None = None, *, timeout_s: float = 5.0,
-                sim_node=None, clock=time.time) -> Reader:
-    """A coroutine factory giving one round of samples from ``source``."""
+                sim_node=None, clock=time.time, chip_ids_from: str | None = None) -> Reader:
+    """A coroutine factory giving one round of samples from ``source``.
+
+    ``chip_ids_from`` (npu-smi only): the node's npu-exporter ``/metrics`` (URL or file); its chip
+    ids name npu-smi's chips (joined by PCIe bus id), so both sources report one device under one
+    name on A3 servers whose npu-smi prints no Phy-ID column."""
     if source == "sim":
         if sim_node is None:
             raise ValueError("source 'sim' needs a simulated node")
@@ -86,6 +90,11 @@ def make_reader(source: str, node: str, location: str | None = None, *, timeout_
 
     async def read() -> list[DeviceTelemetry]:
         text = await read_text(location or "", timeout_s=timeout_s, command=command)
+        if chip_ids_from and source == "npu-smi":
+            from consumers.parsers.npu_smi import chip_ids_from_exporter
+
+            ids = chip_ids_from_exporter(await read_text(chip_ids_from, timeout_s=timeout_s))
+            return parse(text, node, clock(), chip_ids=ids)
         return parse(text, node, clock())
 
     return read

@@ -135,8 +135,8 @@ class RouteRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
-    pod: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=256)
+    pod: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
     token_ids: list[int] | None = None
     block_hashes: list[int] | None = None
     ttl_s: float | None = Field(default=None, gt=0)
@@ -148,11 +148,17 @@ class RouteRecord(BaseModel):
         return self
 
 
-def record_route(index: KvIndex, body: Any) -> dict[str, Any]:
+MAX_ROUTE_TTL_S = 600.0
+
+
+def record_route(index: KvIndex, body: Any, *, max_ttl_s: float = MAX_ROUTE_TTL_S) -> dict[str, Any]:
+    """Record a routing decision as predicted blocks; ``ttl_s`` may not exceed ``max_ttl_s``."""
     if not isinstance(body, dict):
         raise QueryError(400, "the body must be a JSON object")
     try:
         r = RouteRecord.model_validate(body)
+        if r.ttl_s is not None and r.ttl_s > max_ttl_s:
+            raise QueryError(400, f"ttl_s: at most {max_ttl_s:g} seconds")
         index.record_route(r.model, r.pod, token_ids=r.token_ids, keys=r.block_hashes, ttl_s=r.ttl_s)
     except ValidationError as exc:
         msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())

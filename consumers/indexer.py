@@ -5,7 +5,10 @@
   and folds the queue in one ``apply_many`` when it is full or nothing else is waiting; then
   the last applied message is acked (AckPolicy.ALL), so acks always follow applies.
   Undecodable messages, and messages whose subject disagrees with their pod/model, go to
-  ``dlq.kv-events`` with the reason (counted); the consumer keeps going. A gap in the delivery
+  ``dlq.kv-events`` (a bounded letter, one per message whichever consumers reject it, see
+  :class:`consumers.bus.DeadLetters`) and are skipped; a letter that cannot be published is
+  counted and the message skipped all the same, so nothing loops. The fold holds a batch that
+  arrives ahead of its pod's predecessor for up to ``reorder_window_s``. A gap in the delivery
   sequence (a message the client dropped) or a handling error re-reads the stream from the
   last applied sequence.
 * Queries: HTTP ``POST /v1/index/query`` (plain ASGI, msgspec in and out), ``GET /v1/index/pods``,
@@ -30,7 +33,6 @@ import gc
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -726,95 +728,12 @@ class IndexerService:
         return Health(f"indexer {self.config.durable}").add("nats", nats).add("consumer_lag", lag)
 
     def http_app(self):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        from starlette.applications import Starlette
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse, Response
-        from starlette.routing import Route
+        """The HTTP API as an ASGI app (see :mod:`consumers.index_http`)."""
+        from consumers.index_http import build_app
 
-        async def route(request: Request):
-            try:
-                return JSONResponse(record_route(self.index, json.loads(await request.body())))
-            except json.JSONDecodeError as exc:
-                return JSONResponse({"error": f"invalid JSON: {exc}"}, status_code=400)
-            except QueryError as exc:
-                return JSONResponse({"error": str(exc)}, status_code=exc.status)
-
-        async def pods(request: Request):
-            return JSONResponse(pods_body(self.index))
-
-        async def health(request: Request):
-            return JSONResponse(self.health())
-
-        probes = self._probes()
-
-        async def healthz(request: Request):
-            status, body = await probes.report(ready=False)
-            return JSONResponse(body, status_code=status)
-
-        async def readyz(request: Request):
-            status, body = await probes.report(ready=True)
-            return JSONResponse(body, status_code=status)
-
-        async def state(request: Request):
-            return JSONResponse({"fingerprint": self.index.fingerprint(), "applied_seq": self.applied_seq})
-
-        async def metrics(request: Request):
-            if self.registry is None:
-                return JSONResponse({"error": "no metrics registry"}, status_code=404)
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-        app = Starlette(routes=[
-            Route("/v1/index/route", route, methods=["POST"]),
-            Route("/v1/index/pods", pods, methods=["GET"]),
-            Route("/v1/index/state", state, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-        ])
-        json_type = (b"content-type", b"application/json")
-
-        async def asgi(scope, receive, send):
-            # the hot path, POST /v1/index/query, as plain ASGI: no routing, request or response
-            # objects (half the latency of a Starlette route); everything else goes to Starlette
-            if scope["type"] != "http" or scope["path"] != "/v1/index/query":
-                return await app(scope, receive, send)
-            if scope["method"] != "POST":
-                status, out = 405, b'{"error":"use POST"}'
-            else:
-                msg = await receive()
-                body = msg.get("body", b"")
-                if msg.get("more_body"):
-                    parts = [body]
-                    while msg.get("more_body"):
-                        msg = await receive()
-                        parts.append(msg.get("body", b""))
-                    body = b"".join(parts)
-                status, out = self.query_json(body, "http")
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [json_type, (b"content-length", str(len(out)).encode())]})
-            await send({"type": "http.response.body", "body": out})
-
-        return asgi
+        return build_app(self)
 
     async def _start_http(self) -> None:
-        import uvicorn
+        from consumers.index_http import serve
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # accepted connections inherit it: small responses must not wait for a delayed ACK
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self.config.http_host, self.config.http_port or 0))
-        self.http_port = sock.getsockname()[1]
-        cfg = uvicorn.Config(self.http_app(), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(cfg)
-        self._server.install_signal_handlers = lambda: None  # the owner handles signals
-        self._http_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="indexer-http")
-        for _ in range(200):
-            if self._server.started:
-                return
-            if self._http_task.done():
-                self._http_task.result()
-            await asyncio.sleep(0.02)
-        raise RuntimeError("the HTTP server did not start")
+        self._server, self._http_task, self.http_port = await serve(self)

@@ -3,7 +3,9 @@ not import the service's libraries (numba, nats, numpy)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class IndexerConfig(BaseModel):
@@ -13,7 +15,15 @@ class IndexerConfig(BaseModel):
 
     durable: str = Field(default="kv-indexer", pattern=r"^[A-Za-z0-9_-]+$",
                          description="durable consumer name; one per indexer instance")
-    http_host: str = "127.0.0.1"
+    http_host: str = Field(default="127.0.0.1", description="address the HTTP API binds (0.0.0.0 / :: for all)")
+    api_keys: list[SecretStr] = Field(default_factory=list, description=(
+        "when set, /v1/ requests need 'Authorization: Bearer <key>' (the router's scheme); /health and "
+        "/metrics stay open"))
+    api_keys_file: Path | None = Field(default=None, description="one key per line (# comments)")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="a request head must arrive within this")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="a request body must arrive within this (408)")
+    max_route_ttl_s: float = Field(default=600.0, gt=0, description="longest ttl_s POST /v1/index/route accepts")
     http_port: int | None = Field(default=8090, ge=0, le=65535, description="0 = a free port; null = no HTTP")
     nats_query: bool = Field(default=True, description="answer kv.index.query requests")
     snapshot_bucket: str = Field(default="kv-index-snapshots", pattern=r"^[A-Za-z0-9_-]+$")
@@ -40,3 +50,14 @@ class IndexerConfig(BaseModel):
     fetch_batch: int = Field(default=512, ge=1, description="most batches folded in one apply_many call")
     max_ack_pending: int = Field(default=8192, ge=16, description="messages the server may have unacked in flight")
     ack_wait_s: float = Field(default=30.0, gt=0)
+
+    def load_api_keys(self) -> list[str]:
+        """The configured keys, inline and from ``api_keys_file`` (never logged)."""
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_keys_file is not None:
+            try:
+                text = self.api_keys_file.read_text()
+            except OSError as exc:
+                raise ValueError(f"api_keys_file {self.api_keys_file}: {exc.strerror}") from None
+            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        return keys

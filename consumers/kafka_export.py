@@ -41,7 +41,48 @@ class KafkaExportConfig:
     value_format: str = "raw"  # raw | envelope
     batch: int = 500
     client_id: str = "infernex-export"
-    extra_producer_args: dict = field(default_factory=dict)
+    extra_producer_args: dict = field(default_factory=dict, repr=False)  # may hold credentials
+    security: "KafkaSecurity | None" = None
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """TLS and SASL towards the brokers (aiokafka's ``security_protocol``, ``sasl_*``, ``ssl_context``).
+
+    The password is never printed: ``repr`` hides it; pass it through the environment."""
+
+    protocol: str = "PLAINTEXT"  # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
+    sasl_mechanism: str | None = None  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    cafile: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    check_hostname: bool = True
+
+    def __post_init__(self) -> None:
+        protocols = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+        if self.protocol not in protocols:
+            raise ValueError(f"security protocol must be one of {', '.join(protocols)}, not {self.protocol!r}")
+        if self.protocol.startswith("SASL"):
+            mechanisms = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+            if self.sasl_mechanism not in mechanisms:
+                raise ValueError(f"{self.protocol} needs a SASL mechanism: {', '.join(mechanisms)}")
+            if not self.username or self.password is None:
+                raise ValueError(f"{self.protocol} needs a username and a password")
+
+    def producer_args(self) -> dict:
+        args: dict = {"security_protocol": self.protocol}
+        if self.protocol.startswith("SASL"):
+            args.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.username,
+                        sasl_plain_password=self.password)
+        if self.protocol in ("SSL", "SASL_SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            ctx = create_ssl_context(cafile=self.cafile, certfile=self.certfile, keyfile=self.keyfile)
+            ctx.check_hostname = self.check_hostname
+            args["ssl_context"] = ctx
+        return args
 
 
 def topic_for(subject: str, prefix: str) -> str:
@@ -64,7 +105,8 @@ def key_for(subject: str) -> bytes | None:
 
 
 class KafkaExporter:
-    def __init__(self, cfg: KafkaExportConfig, nats: NatsConfig, *, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: KafkaExportConfig, nats: NatsConfig, *, registry: CollectorRegistry | None = None,
+                 health=None):
         if cfg.value_format not in ("raw", "envelope"):
             raise ValueError("value_format must be raw or envelope")
         self.cfg = cfg
@@ -75,6 +117,8 @@ class KafkaExporter:
         self.lag = Gauge("infernex_kafka_export_pending", "Messages pulled but not yet acked", registry=registry)
         self._stop = asyncio.Event()
         self.count = 0
+        self.health = health  # a consumers.health.Health: NATS, consumer lag, Kafka producer
+        self._producer_ok = False
 
     def _strip(self, subject: str) -> str:
         return subject[len(self.prefix) + 1:] if self.prefix else subject
@@ -112,11 +156,18 @@ class KafkaExporter:
                 raise ValueError(f"no stream holds {subj!r}")
             groups.setdefault(spec.name, []).append(full)
         nc = await bus.connect(self.nats, name="infernex-kafka-export")
+        security = self.cfg.security.producer_args() if self.cfg.security else {}
         producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, client_id=self.cfg.client_id,
                                     acks="all", enable_idempotence=False, linger_ms=5,
-                                    **self.cfg.extra_producer_args)
+                                    **security, **self.cfg.extra_producer_args)
         await producer.start()
+        self._producer_ok = True
         js = nc.jetstream()
+        if self.health is not None:
+            from consumers.health import Check, lag_check, nats_check
+
+            self.health.add("nats", nats_check(nc)).add("consumer_lag", lag_check(js, self.cfg.durable))
+            self.health.add("kafka", lambda: Check(self._producer_ok, {"bootstrap": self.cfg.bootstrap}))
 
         async def handle(msgs: list[Msg]) -> None:
             self.lag.set(len(msgs))
@@ -125,7 +176,12 @@ class KafkaExporter:
                 topic, key, value, headers = self._record(m)
                 futures.append((topic, await producer.send(topic, value=value, key=key, headers=headers)))
             for topic, fut in futures:
-                await fut  # raises if Kafka rejected: nothing acked, JetStream redelivers
+                try:
+                    await fut  # raises if Kafka rejected: nothing acked, JetStream redelivers
+                except Exception:
+                    self._producer_ok = False
+                    raise
+                self._producer_ok = True
                 self.exported.labels(topic).inc()
             for m in msgs:
                 await m.ack()

@@ -32,7 +32,11 @@ Undecodable frames go to ``dlq.kv-events`` with the reason; the bridge keeps goi
 A NATS outage stalls the sender; the bounded queue then stalls the reader and the
 engine's PUB socket buffers (and, past its high-water mark, drops - which the next
 frame shows as a gap that is replayed). Publishes that fail are retried in order with
-the same message id, so nothing is stored twice.
+the same message id, so nothing is stored twice. After a broker restart the stream may still hold
+a pod's batches out of order (a batch lost in flight is re-sent after later ones the client had
+buffered); the folds put them back in order per pod (``KvIndex(reorder_window_s=...)``).
+While the engine is quiet, an empty batch at the last position is sent every ``heartbeat_s``
+(the indexer's liveness signal for ``pod_timeout_s``). Sequences past 2**63-1 are dead-lettered.
 
 One bridge serves one engine endpoint. vLLM gives every data-parallel rank its own
 endpoint and its own sequence, so a pod with several DP ranks needs one bridge per rank

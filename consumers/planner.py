@@ -291,3 +291,33 @@ class PlannerService:
                 await asyncio.wait_for(stop.wait(), timeout=self.pcfg.interval_s)
             except asyncio.TimeoutError:
                 pass
+
+
+async def follow_announcements(js, announced: AnnouncedBackends, *, prefix: str | None = None,  # noqa: ANN001
+                               topology=None, registry: CollectorRegistry | None = None):  # noqa: ANN001
+    """Keep ``announced`` up to date from ``engine.announce.*`` (last message per engine, then
+    live); an announcement that does not decode goes to the dead-letter subject. Returns the
+    subscription (unsubscribe to stop)."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from consumers.bus import DeadLetters
+    from schemas import EngineAnnouncement, ValidationFailure
+    from streams.topology import build_topology, stream_for_subject
+
+    full = S.with_prefix(prefix, S.ALL_ENGINE_ANNOUNCE)
+    spec = stream_for_subject(topology or build_topology(None, prefix), full)
+    dead = DeadLetters(js, consumer="planner-announcements", registry=registry, prefix=prefix)
+    stream = spec.logical if spec else "engine_announce"
+
+    async def cb(msg) -> None:  # noqa: ANN001
+        try:
+            announced.apply(EngineAnnouncement.from_json(msg.data))
+        except ValidationFailure as exc:
+            subj = msg.subject[len(prefix) + 1:] if prefix else msg.subject
+            try:
+                await dead.send(stream, subj, msg.data, str(exc))
+            except Exception as e:  # noqa: BLE001 - the feed must keep going
+                log.warning("dead letter publish failed: %s", type(e).__name__)
+
+    return await js.subscribe(full, cb=cb, ordered_consumer=True, stream=spec.name if spec else None,
+                              config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT))

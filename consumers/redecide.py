@@ -215,8 +215,12 @@ def explain(stages: list[RoutingDecision], *, other: str | None = None,
     out["backends"] = inputs_out
     out["findings"] = findings or []
     if other is not None:
-        alt_dec, _ = redecide(stages, strategy=other)
-        out["other_profile"] = {"profile": other, "status": alt_dec.status,
+        alt_strategy = load_strategy(other)
+        alt_dec, _ = redecide(stages, strategy=alt_strategy)
+        note = ""
+        if alt_strategy.needs_overlap and not inputs.overlap and not inputs.prefix_keys:
+            note = ("the live strategy read no prefix overlap, so this one ran without it (prefix scores 0)")
+        out["other_profile"] = {"profile": other, "status": alt_dec.status, "note": note,
                                 "picked": alt_dec.target.pod if alt_dec.target else None,
                                 "prefill": alt_dec.prefill.pod if alt_dec.prefill else None,
                                 "reason": alt_dec.reason,

@@ -155,7 +155,7 @@ class SlaSink:
             for msg in msgs:
                 try:
                     row, ts = route.to_row(msg)
-                except ValidationFailure as exc:
+                except (ValidationFailure, ValueError, TypeError, KeyError) as exc:  # bad input: skip it
                     await self.dead_letters.send(spec.logical, msg.subject, msg.data, str(exc),
                                                  headers=dict(msg.headers or {}),
                                                  stream_seq=bus.stream_seq_of(msg))

@@ -216,8 +216,9 @@ DEVICES = Dashboard(
         Panel("GPU memory used", [
             ("DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE)", "{{Hostname}} gpu{{gpu}}")],
             unit="percentunit"),
-        Panel("GPU ECC and XID errors", [
-            ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "double-bit {{Hostname}} gpu{{gpu}}"),
+        # dcgm-exporter's default counters leave the ECC totals out; remapped rows are there
+        Panel("GPU memory row remaps and XID errors", [
+            ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "uncorrectable remaps {{Hostname}} gpu{{gpu}}"),
             ("DCGM_FI_DEV_XID_ERRORS", "last XID {{Hostname}} gpu{{gpu}}")]),
         Panel("Telemetry to finding latency", [
             (q(0.99, "infernex_diagnosis_latency_seconds"), "p99")], unit="s"),

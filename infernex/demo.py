@@ -12,10 +12,14 @@ engines' busy time. Everything it started is stopped at the end, also on Ctrl-C.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import re
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +58,164 @@ class DemoConfig:
     pd_same_load_per_engine: bool = True
 
 
+
+# ---------------------------------------------------------------------------- validity of a live run
+
+MAX_START_LAG_S = 0.5  # the replay client may fall this far behind the trace's schedule
+MAX_STEAL = 0.05  # share of CPU time the hypervisor took from this machine
+MAX_RECORD_LOSS = 0.02  # request records missing (router -> NATS -> the demo), as a share of requests
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """``(steal, total)`` jiffies of all CPUs from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+    except OSError:
+        return None
+    vals = [float(v) for v in parts[1:9]]  # user nice system idle iowait irq softirq steal
+    return vals[7] if len(vals) > 7 else 0.0, sum(vals)
+
+
+@dataclass
+class RunConditions:
+    """What the machine and the client did during one strategy's live run."""
+
+    requests: int
+    max_start_lag_s: float | None
+    steal: float | None  # share of CPU time stolen over the run
+    load: float  # 1-minute load average at the end
+    cores: int
+    records_unique: int
+    records_duplicate: int
+
+    def problems(self) -> list[str]:
+        """Why this run's figures cannot be trusted, each with by how much; empty if valid."""
+        out = []
+        lag = self.max_start_lag_s or 0.0
+        if lag > MAX_START_LAG_S:
+            out.append(f"the replay client fell {lag:.2f} s behind schedule (limit {MAX_START_LAG_S:g} s, "
+                       f"{lag / MAX_START_LAG_S:.1f}x over): the machine was too busy to send on time")
+        if self.steal is not None and self.steal > MAX_STEAL:
+            out.append(f"the hypervisor stole {self.steal:.0%} of CPU time (limit {MAX_STEAL:.0%})")
+        missing = self.requests - self.records_unique
+        if self.requests and missing / self.requests > MAX_RECORD_LOSS:
+            out.append(f"{missing} of {self.requests} request records missing ({missing / self.requests:.0%}, "
+                       f"limit {MAX_RECORD_LOSS:.0%})")
+        return out
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "problems": self.problems()}
+
+
+def verdict(conditions: dict[str, RunConditions]) -> tuple[str, bool]:
+    """One plain sentence on the live run, and whether it is invalid."""
+    bad = {s: c.problems() for s, c in conditions.items() if c.problems()}
+    loads = [c.load for c in conditions.values()]
+    cores = next(iter(conditions.values())).cores if conditions else 0
+    ctx = f"load average up to {max(loads):.1f} on {cores} cores" if loads else ""
+    if not bad:
+        return f"Live run valid: every strategy replayed on schedule, with its records ({ctx}).", False
+    detail = "; ".join(f"{s}: {', '.join(p)}" for s, p in bad.items())
+    return (f"Live run NOT valid, its latencies say more about this machine than about routing ({ctx}). "
+            f"{detail}. The virtual-time comparison below does not depend on the machine.", True)
+
+
+# ---------------------------------------------------------------------------- warnings, counted
+
+class WarningTally(logging.Filter):
+    """Counts WARNING+ log records by kind and keeps them off the console (they go to a file):
+    a demo prints its story, then one summary line of what went wrong along the way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: Counter[str] = Counter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        if getattr(record, "_infernex_tallied", False):  # the filter sits on every console handler
+            return False
+        record._infernex_tallied = True
+        kind = re.sub(r"\d+(\.\d+)?", "N", record.getMessage())
+        kind = re.sub(r"(nats://|tcp://|https?://)\S+", "URL", kind)[:90]
+        self.kinds[f"{record.name}: {kind}"] += 1
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
+
+    def summary(self, where: Path | None = None, top: int = 3) -> str:
+        if not self.total:
+            return "no warnings during the run"
+        most = "; ".join(f"{n}x {k}" for k, n in self.kinds.most_common(top))
+        rest = len(self.kinds) - min(top, len(self.kinds))
+        return (f"{self.total} warnings of {len(self.kinds)} kinds during the run"
+                + (f" (all in {where})" if where else "") + f": {most}" + (f"; {rest} more kinds" if rest else ""))
+
+
+@contextlib.contextmanager
+def tally_warnings(log_file: Path):
+    """Within: WARNING+ records go to ``log_file`` and are counted, not shown on the console."""
+    root = logging.getLogger()
+    tally = WarningTally()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(log_file, mode="w")
+    fh.setLevel(logging.WARNING)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handlers = list(root.handlers)
+    for h in handlers:
+        h.addFilter(tally)
+    root.addHandler(fh)
+    lastresort, logging.lastResort = logging.lastResort, None
+    if not handlers:  # no console handler: keep WARNINGs off stderr all the same
+        quiet = logging.NullHandler()
+        root.addHandler(quiet)
+    try:
+        yield tally
+    finally:
+        for h in handlers:
+            h.removeFilter(tally)
+        root.removeHandler(fh)
+        fh.close()
+        if not handlers:
+            root.removeHandler(quiet)
+        logging.lastResort = lastresort
+
+
+# ---------------------------------------------------------------------------- virtual time
+
+def virtual_comparison(rows, cfg: "DemoConfig") -> list:
+    """The same rows and strategies through the router's real strategy code over the simulator's
+    engine model in virtual time (:mod:`infernex.whatif`): deterministic, whatever the machine."""
+    from infernex.report import StrategyResult
+    from infernex.whatif import Fleet, simulate
+
+    fleet = Fleet(aggregated=cfg.engines, pd_groups=1 if cfg.prefill and cfg.decode else 0,
+                  prefill_per_group=cfg.prefill, decode_per_group=cfg.decode, hardware=cfg.hardware,
+                  model_profile=cfg.model_profile, num_gpu_blocks=cfg.num_gpu_blocks)
+    out = []
+    for strategy in cfg.strategies:
+        if strategy.startswith("pd-") and not fleet.pd_groups:
+            continue
+        r = simulate(rows, strategy, fleet, time_scale=1.0, seed=0, max_output_tokens=cfg.max_output_tokens)
+        out.append(StrategyResult(strategy, r.summary(), r.overlap_share, r.busy_spread,
+                                  {"virtual_s": r.virtual_s, "rejected": r.rejected}))
+    return out
+
+
+def headline(results: list, base: str = "round-robin", best: str = "kv-aware") -> dict | None:
+    """``base`` TTFT p50 / ``best`` TTFT p50 (how many times faster the first token comes)."""
+    by = {r.strategy: r for r in results}
+    a, b = by.get(base), by.get(best)
+    if a is None or b is None or not a.summary.ttft_p50_s or not b.summary.ttft_p50_s:
+        return None
+    return {"base": base, "best": best, "base_ttft_p50_s": a.summary.ttft_p50_s,
+            "best_ttft_p50_s": b.summary.ttft_p50_s, "ratio": a.summary.ttft_p50_s / b.summary.ttft_p50_s,
+            "base_hit_rate": a.hit_rate, "best_hit_rate": b.hit_rate}
+
+
 async def _wait(cond, timeout: float, what: str, interval: float = 0.05, *, required: bool = True) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,7 +239,8 @@ async def _bounded(aw, what: str, timeout: float = 10.0, cancel: list | None = N
         log.warning("%s stopped with an error: %s", what, exc)
 
 
-async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asyncio.Event | None = None) -> dict:
+async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asyncio.Event | None = None,
+                   tally: WarningTally | None = None) -> dict:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -136,6 +299,9 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
     findings: list = []
     incident: dict = {}
     results: list[StrategyResult] = []
+    conditions: dict[str, RunConditions] = {}
+    timelines: dict[str, list] = {}
+    sla_targets = None
     try:
         server.start()
         nats_cfg = NatsConfig(servers=[server.url])
@@ -193,6 +359,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             chdb_dir = cfg.out / "chdb"
             shutil.rmtree(chdb_dir, ignore_errors=True)
             sla_cfg = SlaConfig(chdb_path=chdb_dir, flush_interval_s=0.5)
+            sla_targets = sla_cfg.targets
             sla_store = open_store(sla_cfg)
             sink = SlaSink(js, sla_store, sla_cfg, topology=topo, registry=CollectorRegistry())
             sink_task = asyncio.create_task(sink.run(bridges_stop))
@@ -239,6 +406,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                           + " ...")
             t = time.monotonic()
             t_wall = time.time()
+            cpu0 = cpu_times()
             res = await replay(rows, url, model=MODEL, time_scale=stretch / cfg.time_scale,
                                concurrency=cfg.concurrency, stop=stop, timeout_s=120)
             await _bounded(app.stop(drain=True), "router", timeout=45)
@@ -246,6 +414,9 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             await _wait(lambda: len(records) - n_before >= len(rows) or stop.is_set(), 15, "request records",
                         required=False)
             mine = records[n_before:]
+            cpu1 = cpu_times()
+            unique = len({r.request_id for r in mine})
+            steal = ((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]) if cpu0 and cpu1 and cpu1[1] > cpu0[1] else None)
             best = sum(r.best_overlap_blocks for r in mine)
             chosen = sum(r.chosen_overlap_blocks for r in mine)
             stats1 = engine_stats()
@@ -258,12 +429,18 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             queries = sum(d[2] for p, d in delta.items() if roles[p] != "decode")
             summary = summarize(res.requests)
             results.append(StrategyResult(strategy, summary, chosen / best if best else None, spread,
-                                          {"wall_s": time.monotonic() - t, "records": len(mine), "arrival_stretch": stretch},
+                                          {"wall_s": time.monotonic() - t, "records": unique, "arrival_stretch": stretch},
                                           engine_hit_rate=hits / queries if queries else None))
+            conditions[strategy] = RunConditions(
+                requests=len(rows), max_start_lag_s=summary.max_start_lag_s, steal=steal, load=os.getloadavg()[0],
+                cores=os.cpu_count() or 1, records_unique=unique, records_duplicate=len(mine) - unique)
             res.write(cfg.out / f"replay-{strategy}.json")
+            timelines[strategy] = res.requests
             windows[strategy] = (t_wall, time.time())
+            late = conditions[strategy].problems()
             console.print(f"    {summary.ok}/{summary.requests} ok in {time.monotonic() - t:.1f}s, "
-                          f"prefix cache hit rate {results[-1].hit_rate or 0:.1%}")
+                          f"prefix cache hit rate {results[-1].hit_rate or 0:.1%}"
+                          + (f" [red](not valid: {late[0].split(':')[0]})[/red]" if late else ""))
         if cfg.services and cfg.incident and node is not None and results and not stop.is_set():
             incident = await _incident(cfg, cluster, node, rows, backends, nats_cfg, findings, records, console)
         await rec_sub.unsubscribe()
@@ -271,31 +448,76 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
         if sla_store is not None and windows:
             from consumers import sla_queries
 
-            sla_rows = await _sla_table(sla_store, windows, len(records), console)
+            sla_rows = await _sla_table(sla_store, windows, len(records), console, sla_targets)
             tables = await asyncio.to_thread(sla_queries.table_counts, sla_store)
             console.print("ClickHouse rows: " + ", ".join(f"{k} {v}" for k, v in tables.items()))
         if findings:
             _print_findings(findings, console)
         title = (f"InferNex demo: {len(rows)} requests of {cfg.trace.name}, {cfg.engines} aggregated engines + "
                  f"{cfg.prefill}P{cfg.decode}D ({cfg.hardware}, {cfg.model_profile}), time x{cfg.time_scale:g}")
+        live_verdict, virtual, head, agreement = None, [], None, None
         if results:
-            console.print(rich_table(results, title))
-            paths = write_report(results, cfg.out, title=title, sections=_sections(sla_rows, incident, findings), notes=[
+            console.print(rich_table(results, "Live run: wall clock, over HTTP (" + title.split(": ", 1)[1] + ")"))
+            live_verdict = verdict(conditions)
+            console.print(("[red]" if live_verdict[1] else "[green]") + live_verdict[0]
+                          + ("[/red]" if live_verdict[1] else "[/green]"), soft_wrap=True)
+            virtual = await asyncio.to_thread(virtual_comparison, rows, cfg)
+            console.print(rich_table(virtual, "Virtual time: the router's strategy code over the engine model "
+                                              "(deterministic; the headline)"))
+            head = headline(virtual)
+            agreement = _agreement(cfg.out / "headline.json", head)
+            if head:
+                console.print(f"[bold]Headline[/bold] (virtual time): {head['best']} gives the first token "
+                              f"{head['ratio']:.2f}x sooner than {head['base']} at the median "
+                              f"({head['best_ttft_p50_s'] * 1000:.0f} ms vs {head['base_ttft_p50_s'] * 1000:.0f} ms). "
+                              + (agreement["text"] if agreement else ""), soft_wrap=True)
+            warn_line = tally.summary(cfg.out / "warnings.log") if tally is not None else None
+            verdicts = ([live_verdict] if live_verdict else []) + (
+                [(f"Headline (virtual time, deterministic): {head['best']} TTFT p50 {head['ratio']:.2f}x lower than "
+                  f"{head['base']} ({head['best_ttft_p50_s'] * 1000:.0f} ms vs {head['base_ttft_p50_s'] * 1000:.0f} ms). "
+                  + (agreement["text"] if agreement else ""), False)] if head else [])
+            sections = _sections(sla_rows, incident, findings, sla_targets)
+            if virtual:
+                from infernex.report import COLUMNS
+
+                sections.insert(0, ("Virtual time: the router's strategy code over the simulator's engine model "
+                                    "(same rows, deterministic)", [n for n, _ in COLUMNS],
+                                    [[fn(r) for _, fn in COLUMNS] for r in virtual]))
+            if conditions:
+                sections.insert(1 if virtual else 0, (
+                    "Live run conditions (validity)", ["strategy", "max start lag s", "CPU steal", "load avg",
+                                                       "records / requests", "duplicates", "problems"],
+                    [[s_, f"{c.max_start_lag_s or 0:.2f}", "-" if c.steal is None else f"{c.steal:.1%}",
+                      f"{c.load:.1f} / {c.cores} cores", f"{c.records_unique}/{c.requests}", str(c.records_duplicate),
+                      "; ".join(c.problems()) or "none"] for s_, c in conditions.items()]))
+            from infernex.report import plot_timeline
+
+            timeline = await asyncio.to_thread(plot_timeline, timelines, lag_limit_s=MAX_START_LAG_S)
+            paths = write_report(results, cfg.out, title="Live run: " + title, sections=sections, verdicts=verdicts,
+                                 images=[("timeline.png", "The live run over time: TTFT and client lag per strategy",
+                                          timeline)],
+                                 notes=[
                 f"latencies are wall-clock; the simulated engines run {cfg.time_scale:g}x faster than the "
                 f"{cfg.hardware} profile, and trace arrivals are compressed by the same factor",
-                "load spread = max/mean engine busy time over the engines the strategy used",
-                "hit rate = prefix-cache hits / lookups counted by the engines (prefill side for PD)",
-                "overlap chosen/best = cached prefix blocks on the chosen backend / best any backend had",
+                f"a live run is valid when the client sends within {MAX_START_LAG_S:g} s of schedule, CPU steal "
+                f"stays under {MAX_STEAL:.0%} and at most {MAX_RECORD_LOSS:.0%} of request records are missing",
             ] + ([f"PD strategies use the {cfg.prefill}P{cfg.decode}D group alone ({pd_engines} engines against "
                   f"{cfg.engines} aggregated), so they replay the same rows with arrivals {pd_stretch:g}x slower: "
                   f"the same load per engine"] if pd_stretch > 1 and any(x.startswith("pd-") for x in cfg.strategies)
-                 else []))
+                 else []) + ([warn_line] if warn_line else []))
             (cfg.out / "control-plane.json").write_text(json.dumps({
                 "sla": sla_rows, "tables": tables, "incident": incident,
                 "findings": [f.model_dump(mode="json") for f in findings]}, indent=2, default=str))
+            (cfg.out / "validity.json").write_text(json.dumps({
+                "valid": not live_verdict[1], "verdict": live_verdict[0],
+                "strategies": {k: c.as_dict() for k, c in conditions.items()},
+                "warnings": dict(tally.kinds) if tally is not None else {}}, indent=2))
+            if head:
+                (cfg.out / "headline.json").write_text(json.dumps({**head, "previous": agreement}, indent=2))
             console.print(f"report: {paths['html']} and {paths['png']}  ({time.monotonic() - t_start:.0f}s)")
         return {"results": results, "out": str(cfg.out), "sla": sla_rows, "incident": incident,
-                "findings": findings}
+                "findings": findings, "virtual": virtual, "headline": head,
+                "valid": None if live_verdict is None else not live_verdict[1]}
     finally:
         # every step bounded: a stuck component must not keep the demo (or CI) from exiting
         bridges_stop.set()
@@ -362,7 +584,8 @@ async def _incident(cfg: DemoConfig, cluster, node, rows, backends, nats_cfg, fi
             "sent_to_faulty_pod": sent}
 
 
-async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: int, console) -> list[dict]:
+async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: int, console,
+                     targets=None) -> list[dict]:
     """Per-strategy SLA summary read back from ClickHouse (the same SQL the dashboards use)."""
     from rich.table import Table
 
@@ -374,12 +597,12 @@ async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: 
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and await asyncio.to_thread(count) < n_records:
         await asyncio.sleep(0.25)
-    table = Table(title="SLA history read back from ClickHouse (request records per strategy window)")
+    table = Table(title=_sla_heading(targets))
     for col in SLA_COLUMNS:
         table.add_column(col, justify="right" if col != "strategy" else "left")
     out = []
     for strategy, (since, until) in windows.items():
-        rows = await asyncio.to_thread(sla_queries.sla_summary, store, since, until, pool=POOL)
+        rows = await asyncio.to_thread(sla_queries.sla_summary, store, since, until, pool=POOL, targets=targets)
         n = sum(r["requests"] for r in rows)
         if not n:
             continue
@@ -397,7 +620,33 @@ async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: 
     return out
 
 
-SLA_COLUMNS = ["strategy", "requests", "TTFT p50 ms", "TTFT p90 ms", "cached/prompt tokens", "SLA attainment"]
+SLA_COLUMNS = ["strategy", "requests", "TTFT p50 ms (router)", "TTFT p90 ms (router)",
+               "cached/prompt tokens (router)", "SLA attainment"]
+
+
+def _sla_heading(targets) -> str:
+    t = targets
+    goal = (f"; target TTFT <= {t.ttft_s * 1000:.0f} ms and ITL <= {t.itl_s * 1000:.0f} ms, attainment = share "
+            f"of requests within both (goal {t.attainment_goal:.0%})") if t is not None else ""
+    return ("SLA history read back from ClickHouse: router-measured (request arrival at the router to first "
+            f"token from the backend), per strategy window{goal}")
+
+
+def _agreement(path: Path, head: dict | None) -> dict | None:
+    """Compare this run's headline with the previous run's (``headline.json`` in the same out dir)."""
+    if head is None or not path.is_file():
+        return None
+    try:
+        prev = json.loads(path.read_text())
+        ratio = float(prev["ratio"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    diff = abs(head["ratio"] - ratio) / ratio if ratio else None
+    if diff is None:
+        return None
+    return {"previous_ratio": ratio, "difference": diff,
+            "text": f"Previous run: {ratio:.2f}x, {diff:.1%} apart ({'agree' if diff <= 0.10 else 'DISAGREE'} "
+                    "within 10%)."}
 
 
 def _sla_cells(row: dict) -> list[str]:
@@ -424,11 +673,11 @@ def _print_findings(findings, console) -> None:
                       f" (pods {', '.join(f.pods) or '-'})")
 
 
-def _sections(sla_rows: list[dict], incident: dict, findings: list) -> list:
+def _sections(sla_rows: list[dict], incident: dict, findings: list, targets=None) -> list:
     """The control-plane part of the report: SLA history from ClickHouse, the incident, findings."""
     out = []
     if sla_rows:
-        out.append(("SLA history read back from ClickHouse", SLA_COLUMNS, [_sla_cells(r) for r in sla_rows]))
+        out.append((_sla_heading(targets), SLA_COLUMNS, [_sla_cells(r) for r in sla_rows]))
     if incident:
         out.append(("Incident: a critical NPU fault under one engine", ["what", "value"],
                     [[k.replace("_", " "), str(v)] for k, v in incident.items()]))

@@ -40,19 +40,36 @@ def _f(v: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _shed(r: "StrategyResult") -> int:
+    """Requests refused for load (HTTP 429/503) rather than failed."""
+    return sum(n for k, n in r.summary.error_kinds.items() if k in ("http 429", "http 503"))
+
+
+# one definition per figure; the header names where it is measured (see NOTES)
 COLUMNS = [
     ("strategy", lambda r: r.strategy),
     ("ok/req", lambda r: f"{r.summary.ok}/{r.summary.requests}"),
-    ("TTFT p50 ms", lambda r: _ms(r.summary.ttft_p50_s)),
-    ("TTFT p90 ms", lambda r: _ms(r.summary.ttft_p90_s)),
-    ("TTFT p99 ms", lambda r: _ms(r.summary.ttft_p99_s)),
+    ("failed", lambda r: str(r.summary.requests - r.summary.ok - _shed(r))),
+    ("shed", lambda r: str(_shed(r))),
+    ("TTFT p50 ms (client)", lambda r: _ms(r.summary.ttft_p50_s)),
+    ("TTFT p90 ms (client)", lambda r: _ms(r.summary.ttft_p90_s)),
+    ("TTFT p99 ms (client)", lambda r: _ms(r.summary.ttft_p99_s)),
     ("ITL p50 ms", lambda r: _ms(r.summary.itl_p50_s)),
     ("ITL p99 ms", lambda r: _ms(r.summary.itl_p99_s)),
     ("req/s", lambda r: _f(r.summary.throughput_rps)),
     ("out tok/s", lambda r: _f(r.summary.output_tokens_per_s, "{:.0f}")),
-    ("hit rate", lambda r: _f(r.hit_rate, "{:.1%}")),
+    ("hit rate (engines)", lambda r: _f(r.hit_rate, "{:.1%}")),
     ("load spread", lambda r: _f(r.busy_spread if r.busy_spread is not None else r.summary.load_spread)),
     ("overlap chosen/best", lambda r: _f(r.overlap_share, "{:.1%}")),
+]
+
+NOTES = [
+    "TTFT/ITL (client): measured by the replay client, from sending the request to the first token / "
+    "between tokens, over the requests that succeeded",
+    "failed: errors and timeouts; shed: refused for load (HTTP 429/503); both count as not ok",
+    "hit rate (engines): prefix-cache hits / lookups counted by the engines (prefill side for PD)",
+    "load spread: max/mean busy time per engine over the engines the strategy used",
+    "overlap chosen/best: cached prefix blocks on the chosen backend / the best any backend had (router)",
 ]
 
 
@@ -73,30 +90,68 @@ def markdown_table(results: list[StrategyResult]) -> str:
 
 
 def plot_png(results: list[StrategyResult], title: str) -> bytes:
+    """Bars per strategy (strategies are categories, not a series): TTFT p50/p90/p99, hit
+    rate, load spread. 9 x 3.4 inches at 100 dpi: 900 px wide, fits a laptop window."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [r.strategy for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for q, key in ((50, "ttft_p50_s"), (90, "ttft_p90_s"), (99, "ttft_p99_s")):
+    x = list(range(len(names)))
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3.4), gridspec_kw={"width_ratios": [2, 1, 1]})
+    width = 0.8 / 3
+    for i, (q, key) in enumerate(((50, "ttft_p50_s"), (90, "ttft_p90_s"), (99, "ttft_p99_s"))):
         vals = [(getattr(r.summary, key) or 0) * 1000 for r in results]
-        axes[0].plot(names, vals, marker="o", label=f"p{q}")
-    axes[0].set_title("TTFT (ms)")
-    axes[0].legend()
-    axes[1].bar(names, [(r.hit_rate or 0) * 100 for r in results], color="#4c72b0")
-    axes[1].set_title("prefix cache hit rate (%)")
-    axes[2].bar(names, [r.busy_spread if r.busy_spread is not None else (r.summary.load_spread or 0)
-                        for r in results], color="#dd8452")
+        axes[0].bar([v + (i - 1) * width for v in x], vals, width, label=f"p{q}")
+    axes[0].set_title("TTFT, client (ms)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    axes[1].bar(x, [(r.hit_rate or 0) * 100 for r in results], color="#4c72b0")
+    axes[1].set_title("hit rate, engines (%)", fontsize=10)
+    axes[2].bar(x, [r.busy_spread if r.busy_spread is not None else (r.summary.load_spread or 0)
+                    for r in results], color="#dd8452")
     axes[2].axhline(1.0, color="grey", lw=0.8)
-    axes[2].set_title("load spread (max/mean)")
+    axes[2].set_title("load spread (max/mean)", fontsize=10)
     for ax in axes:
-        ax.tick_params(axis="x", rotation=20)
-    fig.suptitle(title)
+        ax.set_xticks(x, names, rotation=25, ha="right", fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.suptitle(title if len(title) <= 110 else title[:107] + "...", fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plot_timeline(runs: dict[str, list], *, lag_limit_s: float | None = None) -> bytes:
+    """The run as time series, one line per strategy: TTFT (client) and how far the client fell
+    behind the trace's schedule, against the scheduled send time. 9 x 4.2 inches at 100 dpi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
+    for strategy, reqs in runs.items():
+        ok = sorted((r.scheduled_s, r.ttft_s * 1000) for r in reqs if r.status == "ok" and r.ttft_s is not None)
+        if ok:
+            top.plot([a for a, _ in ok], [b for _, b in ok], lw=0.9, label=strategy)
+        lag = sorted((r.scheduled_s, r.start_s - r.scheduled_s) for r in reqs if r.start_s is not None)
+        if lag:
+            bottom.plot([a for a, _ in lag], [b for _, b in lag], lw=0.9, label=strategy)
+    top.set_ylabel("TTFT, client (ms)", fontsize=8)
+    top.set_yscale("log")
+    top.legend(fontsize=7, ncol=4)
+    bottom.set_ylabel("client behind\nschedule (s)", fontsize=8)
+    if lag_limit_s is not None:
+        bottom.axhline(lag_limit_s, color="red", lw=0.8, ls="--", label=f"validity limit {lag_limit_s:g} s")
+        bottom.legend(fontsize=7, ncol=5)
+    bottom.set_xlabel("scheduled send time in the run (s)", fontsize=8)
+    for ax in (top, bottom):
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
 
@@ -105,13 +160,17 @@ Section = tuple[str, list[str], list[list[str]]]  # heading, column names, rows 
 
 
 def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, notes: list[str] | None = None,
-                 sections: list[Section] | None = None) -> dict:
+                 sections: list[Section] | None = None, verdicts: list[tuple[str, bool]] | None = None,
+                 images: list[tuple[str, str, bytes]] | None = None) -> dict:
     """Write ``comparison.png``, ``report.html``, ``report.md`` and ``results.json``; return paths.
     ``sections``: more tables after the comparison (e.g. the demo's SLA history and incident)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    notes = [*NOTES, *(notes or [])]
     png = plot_png(results, title)
     (out_dir / "comparison.png").write_bytes(png)
-    md = f"# {title}\n\n" + markdown_table(results) + "\n"
+    for name, _, data in images or []:
+        (out_dir / name).write_bytes(data)
+    md = f"# {title}\n\n" + "".join(f"**{t}**\n\n" for t, _ in verdicts or []) + markdown_table(results) + "\n"
     if notes:
         md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     sections_html = ""
@@ -128,12 +187,17 @@ def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, no
     )
     notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in notes or [])
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}td:first-child{{text-align:left}}</style></head>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>body{{font-family:sans-serif;margin:1em auto;max-width:1100px;padding:0 1em}}
+table{{border-collapse:collapse;display:block;overflow-x:auto;font-size:90%}}img{{max-width:100%;height:auto}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}td:first-child{{text-align:left}}
+.verdict{{padding:.5em 1em;border-left:4px solid #2a2}}.invalid{{border-color:#c22;background:#fee}}</style></head>
 <body><h1>{html.escape(title)}</h1>
+{"".join(f'<p class="verdict{" invalid" if bad else ""}">{html.escape(text)}</p>' for text, bad in verdicts or [])}
 <table><tr>{''.join(f'<th>{html.escape(n)}</th>' for n, _ in COLUMNS)}</tr>{rows_html}</table>
 <ul>{notes_html}</ul>
 <img alt="comparison plot" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>
+{"".join(f'<h2>{html.escape(cap)}</h2><img alt="{html.escape(cap)}" src="data:image/png;base64,{base64.b64encode(data).decode()}"/>' for _, cap, data in images or [])}
 {sections_html}
 </body></html>
 """

@@ -15,6 +15,8 @@ Map
     ``core``       ``Router.decide(request, backends, index_view, now)``: pure, no asyncio
     ``state``      ClusterState: discovery sources + load/health folds + in-flight counters
     ``server``     the service: forwarding, SSE pass-through, PD, retries, migration, drain, auth
+    ``admission``  per-backend in-flight caps from the router's own counts, bounded queue, key quotas
+    ``openapi``    request models (msgspec) checked on every request, and the OpenAPI 3.1 document
     ``http``       the HTTP/1.1 server under it (asyncio Protocol + httptools)
     ``upstream``   the pooled keep-alive HTTP/1.1 client to the engines (asyncio Protocol + httptools)
     ``metrics``    cheap per-request counters/histograms exposed through a prometheus_client collector

@@ -13,6 +13,12 @@ Example::
       kubernetes: {enabled: true, namespace: ai-inference, label_selector: "openfuyao.com/engine=vllm"}
       api_keys_file: /etc/infernex/keys   # one key per line; admin_key for /v1/router/*
       rate_limit_rps: 20
+      engine_api_key_file: /etc/infernex/engine-auth/engine-api-key   # engines run with --api-key
+      admission:                    # caps from the router's own counts (see router.admission)
+        max_inflight_per_backend: 64  # else a backend's max_inflight, else its announced max_num_seqs
+        queue_size: 1024
+        queue_timeout_s: 30           # then 503 + Retry-After
+        max_inflight_per_key: 16      # then 429 + Retry-After
 """
 
 from __future__ import annotations

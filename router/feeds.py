@@ -96,7 +96,8 @@ class BusFeeds:
         bucket, _, name = where.partition("/")
         bucket = snapshot_bucket_name(self.prefix, bucket)
         try:
-            snap = await read_snapshot(self.js, bucket, name or "kv-indexer")
+            # a bucket whose leader is gone must not hold the router's start: replay instead
+            snap = await asyncio.wait_for(read_snapshot(self.js, bucket, name or "kv-indexer"), 15)
         except Exception as exc:  # noqa: BLE001 - a broken snapshot: replay the stream instead
             log.warning("KV snapshot %s/%s unusable (%s); reading the whole KV stream", bucket, name, exc)
             return 1

@@ -29,7 +29,8 @@ file and line. Pure: no I/O besides the text it is given.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import yaml
 

@@ -25,17 +25,36 @@ from schemas.records import RequestRecord, RoutingDecision
 log = logging.getLogger(__name__)
 
 
-#: the :class:`schemas.records.BackendInput` fields, in order, read from a ``BackendState``
-BACKEND_FIELDS = ("pod", "model", "role", "group", "pool", "loras", "node", "waiting", "running", "kv_usage",
-                  "num_gpu_blocks", "cpu_util", "mem_util", "inflight", "active_tokens", "pending_prefill_tokens",
-                  "health", "circuit_open", "draining")
-_capture_one = attrgetter(*BACKEND_FIELDS)
+#: :class:`schemas.records.BackendInput` fields that change only with ``ClusterState.epoch`` (load,
+#: device utilisation, health, identity) and those the router changes per request (its own counters)
+STATIC_FIELDS = ("pod", "model", "role", "group", "pool", "loras", "node", "waiting", "running", "kv_usage",
+                 "num_gpu_blocks", "cpu_util", "mem_util", "health", "draining")
+VOLATILE_FIELDS = ("inflight", "active_tokens", "pending_prefill_tokens", "circuit_open")
+BACKEND_FIELDS = STATIC_FIELDS + VOLATILE_FIELDS
+_static = attrgetter(*STATIC_FIELDS)
+_volatile = attrgetter(*VOLATILE_FIELDS)
 
 
-def capture_backends(backends: Sequence[Any]) -> list[tuple]:
-    """The snapshot's backends as tuples of :data:`BACKEND_FIELDS`, taken synchronously right at
-    the decision (the objects change afterwards); ~1 us per backend."""
-    return list(map(_capture_one, backends))
+class BackendCapture:
+    """Copies the backends a decision read, synchronously at the decision (the objects change
+    afterwards). The epoch-tracked fields are copied once per ``ClusterState.epoch`` and shared by
+    the decisions of that epoch; only the router's own counters are copied every time."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._rows: list[tuple] = []
+
+    def __call__(self, backends: Sequence[Any], epoch: int | None) -> tuple[list[tuple], list[tuple]]:
+        key = (epoch, id(backends), len(backends))
+        if epoch is None or key != self._key:
+            self._rows = list(map(_static, backends))
+            self._key = key
+        return self._rows, list(map(_volatile, backends))
+
+
+def capture_backends(backends: Sequence[Any]) -> tuple[list[tuple], list[tuple]]:
+    """One capture without epoch sharing (tests, tools)."""
+    return BackendCapture()(backends, None)
 
 
 _SETTINGS: dict[int, tuple[Any, dict[str, Any]]] = {}
@@ -73,15 +92,12 @@ def strategy_settings(strategy) -> dict[str, Any]:
     return out
 
 
-def decision_inputs(*, strategy, request, exclude, backends: list[tuple], now: float, block_size: int,
-                    overlap: dict[str, int]) -> dict[str, Any]:
+def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], list[tuple]], now: float,
+                    block_size: int, overlap: dict[str, int]) -> dict[str, Any]:
     """A :class:`schemas.records.DecisionInputs` mapping from what :meth:`router.core.Router.decide`
-    read (``backends`` from :func:`capture_backends`)."""
-    rows = []
-    for t in backends:
-        row = dict(zip(BACKEND_FIELDS, t))
-        row["loras"] = sorted(row["loras"])
-        rows.append(row)
+    read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form."""
+    static, volatile = backends
+    rows = [s + v for s, v in zip(static, volatile)]  # loras stay a frozenset: msgspec writes it as an array
     keys = None
     ids = request.token_ids
     if ids is not None and len(ids) > 1 and block_size > 0:
@@ -89,12 +105,13 @@ def decision_inputs(*, strategy, request, exclude, backends: list[tuple], now: f
         from streams.kv_keys import request_salt
 
         # the prompt's reusable blocks as the index keys them (at most len-1 tokens, as the router reads)
-        keys = [int(k) for k in block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
-                                           salt=request_salt(request.cache_salt))]
+        keys = list(block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
+                               salt=request_salt(request.cache_salt)))
     return {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
             "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
             "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,
-            "overlap": dict(overlap), "prefix_keys": keys, "backends": rows}
+            "overlap": dict(overlap), "prefix_keys": keys,
+            "backends": {"columns": BACKEND_FIELDS, "rows": rows}}
 
 
 def decision_json(*, request_id: str, ts: float, pool: str, model: str, profile: str, stage,

@@ -27,10 +27,10 @@ from router import openapi
 from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
-from router.metrics import FastMetrics, PluginEventsCollector
+from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
-from router.records import RecordSink, capture_backends, decision_inputs, decision_json
+from router.records import BackendCapture, RecordSink, decision_inputs, decision_json
 from router.resilience import RateLimiter
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
@@ -122,13 +122,20 @@ class RouterMetrics:
     """Per-request metrics are cheap :mod:`router.metrics` families; the rare events
     (rejections, retries, migrations) are prometheus_client counters."""
 
-    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0):
+    def __init__(self, registry: CollectorRegistry, inflight=lambda: 0, queued=lambda: 0):
         fast = FastMetrics(registry)
         self.requests = fast.counter("infernex_router_requests_total", "Requests by outcome", ["strategy", "status"])
         self.duration = fast.histogram("infernex_router_request_duration_seconds", "End-to-end request time",
-                                       ["strategy"])
+                                       ["strategy"], buckets=LATENCY_BUCKETS)
         self.ttft = fast.histogram("infernex_router_ttft_seconds", "Time to first token through the router",
-                                   ["strategy"])
+                                   ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
+        self.itl = fast.histogram("infernex_router_itl_seconds",
+                                  "Mean inter-token latency of a streamed request through the router",
+                                  ["strategy", "pool", "role"], buckets=ITL_BUCKETS)
+        self.queue = fast.histogram("infernex_router_queue_seconds",
+                                    "Time a request waited for a backend slot (admission control)",
+                                    ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
+        fast.gauge_function("infernex_router_queued_requests", "Requests waiting for a backend slot", queued)
         self.decision = fast.histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
                                        ["strategy"],
                                        buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
@@ -159,12 +166,13 @@ class RouterService:
         self.state = state or ClusterState(cfg)
         self.index = index
         self.registry = registry or CollectorRegistry()
-        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight)
+        self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight,
+                                     queued=lambda: self.admission.queued)
         self.registry.register(PluginEventsCollector(lambda: self.router.strategy))
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
-        self._m_ttft = self.metrics.ttft.labels(name)
+        self._m_role: dict[str, tuple[Any, Any, Any]] = {}  # role -> (ttft, itl, queue) children
         self._m_regret = self.metrics.regret.labels(name)
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
         self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
@@ -172,6 +180,7 @@ class RouterService:
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
         self.pd = PdProtocol(cfg.pd)
+        self._capture = BackendCapture()  # the backends each decision read, for its record
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
@@ -430,6 +439,8 @@ class RouterService:
                     except _UPSTREAM_ERRORS:
                         raise ApiError(502, f"backend {b.pod} broke off its answer", "server_error",
                                        "upstream_error") from None
+                    if up.status >= 400:
+                        data, ctype = _openai_error_body(up.status, data), _JSON
                     return Response(up.status, data, ctype, out_headers)
                 resp = StreamResponse(up.status, {"Content-Type": ctype, "Cache-Control": "no-cache", **out_headers})
                 await resp.prepare(request)
@@ -535,7 +546,7 @@ class RouterService:
         snap, now = st.snapshot(), st.clock.now()
         d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
         if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
-            flow.captured = (capture_backends(snap), now)
+            flow.captured = (self._capture(snap, st.epoch), now)
         self._m_decision.observe(time.perf_counter() - t)
         return d
 
@@ -547,10 +558,12 @@ class RouterService:
         self.state.finished(b, prompt_tokens, prefill_tokens_left)
         self.admission.finished(b)
 
-    @staticmethod
-    def _client_key(request: Request) -> str:
-        auth = request.headers.get("authorization")
-        return auth if auth else (request.remote or "-")
+    def _client_key(self, request: Request) -> str:
+        """Who a request counts against for quotas and fairness: its (already checked) API key, or
+        its address when the router takes no keys (a free-form header could dodge the quota)."""
+        if self._keys:
+            return request.headers.get("authorization", "-")
+        return request.remote or "-"
 
     def _enter(self, key: str) -> None:
         try:
@@ -841,6 +854,7 @@ class RouterService:
                 flow.http_status = up.status
                 if up.status >= 400:
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
+                    data = _openai_error_body(up.status, data)
                 else:
                     if self._recomputed_json(flow, data):
                         return resp, "recomputed"
@@ -850,7 +864,7 @@ class RouterService:
                 self.state.first_token(b, pending)
                 pending = 0
                 flow.done = True
-                return Response(up.status, data, up.headers.get("content-type", _JSON),
+                return Response(up.status, data, _JSON if up.status >= 400 else up.headers.get("content-type", _JSON),
                                 {"X-Request-Id": flow.rid, _BACKEND_HEADER: b.pod}), None
             # streaming pass-through, event by event
             if resp is None:
@@ -1125,15 +1139,24 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
+        role = "pd" if flow.prefill_pod else "aggregated"
+        hs = self._m_role.get(role)
+        if hs is None:
+            m, pool = self.metrics, self.state.pool
+            hs = self._m_role[role] = (m.ttft.labels(name, pool, role), m.itl.labels(name, pool, role),
+                                       m.queue.labels(name, pool, role))
+        hs[2].observe(flow.queue_s)
         ttft = None
         if flow.first_token_t is not None:
             ttft = flow.first_token_t - flow.t0
-            self._m_ttft.observe(ttft)
-        if self.records is None:
-            return
+            hs[0].observe(ttft)
         itl = None
         if flow.out_tokens > 1 and flow.first_token_t is not None and flow.last_token_t is not None:
             itl = (flow.last_token_t - flow.first_token_t) / (flow.out_tokens - 1)
+            if flow.stream:  # (a non-streamed answer arrives at once: no inter-token time to see)
+                hs[1].observe(itl)
+        if self.records is None:
+            return
         d = flow.decision
         pd = self.router.strategy.pd
         stage = ("pd" if flow.prefill_pod else "decode") if pd else "aggregated"
@@ -1163,6 +1186,27 @@ def _version() -> str:
         return version("infernex")
     except PackageNotFoundError:  # a source tree that is not installed
         return "0.0.0+source"
+
+
+def _openai_error_body(status: int, data: bytes) -> bytes:
+    """An engine's error answer in OpenAI's shape (vLLM's ``code`` is an int; FastAPI says ``detail``):
+    ``{"error": {"message", "type", "param", "code": str}}``; the message is the engine's."""
+    try:
+        obj = _json_decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"] and isinstance(err.get("type"), str) \
+            and "param" in err and isinstance(err.get("message"), str):
+        return data  # already the right shape
+    err = err if isinstance(err, dict) else {}
+    code = err.get("code")
+    out = {"message": err.get("message") if isinstance(err.get("message"), str) else _upstream_message(data),
+           "type": err.get("type") if isinstance(err.get("type"), str) and err.get("type") else
+           ("invalid_request_error" if status < 500 else "server_error"),
+           "param": err.get("param") if isinstance(err.get("param"), str) else None,
+           "code": code if isinstance(code, str) and code else _CODES.get(status, str(status))}
+    return _json_encode({"error": out})
 
 
 def _upstream_message(data: bytes) -> str:

@@ -26,9 +26,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from simulator.tokenizer import SimpleTokenizer, Tokenizer, load_tokenizer, request_to_ids
+from simulator.tokenizer import (
+    SimpleTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    request_to_ids,
+)
 
 log = logging.getLogger(__name__)
+MAX_MODELS = 64  # model names whose tokenizer is looked up and kept
 
 
 def _hub_dirs() -> list[Path]:
@@ -47,6 +53,13 @@ def find_model_tokenizer(model: str) -> Path | None:
     the ``main`` snapshot first)."""
     if not model:
         return None
+    try:
+        return _find(model)
+    except (OSError, ValueError, RuntimeError):  # a name no file system accepts (too long, NUL, ~nobody)
+        return None
+
+
+def _find(model: str) -> Path | None:
     p = Path(model).expanduser()
     for cand in (p / "tokenizer.json", p):
         if cand.name == "tokenizer.json" and cand.is_file():
@@ -73,6 +86,7 @@ class PromptEncoder:
         self.vocab_size = vocab_size
         self._tok: Tokenizer | None = None
         self._per_model: dict[str, Tokenizer] = {}
+        self._overflow: Tokenizer | None = None
         if spec is not None and spec != "auto":
             self._tok = load_tokenizer(spec, vocab_size)
             if isinstance(self._tok, SimpleTokenizer):
@@ -88,6 +102,11 @@ class PromptEncoder:
             return self._tok
         key = model if isinstance(model, str) else ""
         tok = self._per_model.get(key)
+        if tok is None and len(self._per_model) >= MAX_MODELS:
+            # bounded: names past the first MAX_MODELS (unknown models, clients' typos) share the toy tokenizer
+            if self._overflow is None:
+                self._overflow = SimpleTokenizer(self.vocab_size)
+            return self._overflow
         if tok is None:
             path = find_model_tokenizer(key)
             if path is not None:

@@ -17,9 +17,12 @@ class _Section(BaseModel):
 
 class NatsTls(_Section):
     ca_file: Path | None = None
+    ca_pem: str | None = Field(default=None, description="the CA certificate itself (PEM), e.g. from a Secret")
     cert_file: Path | None = None
     key_file: Path | None = None
     verify: bool = True
+    server_name: str | None = Field(default=None, description="name to verify the server certificate against "
+                                    "(default: the host in the server URL)")
 
 
 class NatsConfig(_Section):

@@ -36,4 +36,12 @@ class DeviceTelemetry(Event):
     link_status: LinkStatus | None = None
     error_codes: list[str] = Field(default_factory=list, description="Ascend error codes, hex as reported")
     xid_errors: list[int] = Field(default_factory=list, description="NVIDIA XIDs seen since the last sample")
+    xid_last: int | None = Field(default=None, ge=0, description="dcgm-exporter DCGM_FI_DEV_XID_ERRORS: the last "
+                                 "XID the GPU reported (a gauge: a change is an event, 0 = none since reset)")
+    remapped_rows_uncorrectable: float | None = Field(default=None, ge=0, description="GPU rows remapped for "
+                                                      "uncorrectable errors (DCGM, cumulative)")
+    remapped_rows_correctable: float | None = Field(default=None, ge=0, description="GPU rows remapped for "
+                                                    "correctable errors (DCGM, cumulative)")
+    row_remap_failure: bool | None = Field(default=None, description="GPU row remapping failed (DCGM)")
+    bus_id: str | None = Field(default=None, description="PCIe bus id, the same in every tool's output")
     pods: list[str] = Field(default_factory=list, description="pods using this device")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.base import Event
 
@@ -70,7 +70,18 @@ class DecisionInputs(BaseModel):
     block_size: int = 16
     overlap: dict[str, int] = Field(default_factory=dict, description="pod -> reusable prefix blocks (KV index)")
     prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index)")
-    backends: list[BackendInput] = Field(default_factory=list)
+    backends: list[BackendInput] = Field(default_factory=list, description="on the wire also the compact form "
+                                         "{columns: [field, ...], rows: [[value, ...], ...]}")
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _columnar(cls, v: Any) -> Any:
+        if isinstance(v, dict) and set(v) == {"columns", "rows"}:
+            cols = v["columns"]
+            if not isinstance(cols, list) or not isinstance(v["rows"], list):
+                raise ValueError("backends: columns and rows must be lists")
+            return [dict(zip(cols, r)) for r in v["rows"]]
+        return v
 
 
 class RoutingDecision(Event):

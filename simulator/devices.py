@@ -78,6 +78,9 @@ PROFILES: dict[str, DeviceProfile] = {
                                   "24.1.rc2", "7.5.0.1.129"),
     "Ascend 910B2": DeviceProfile("npu", "Ascend 910B2", "910B2", 65536, 92.0, 392.0, 36.0, 65.0, 105.0,
                                   "24.1.rc2", "7.5.0.1.129"),
+    # 310P: no HBM; its memory is DDR (npu-exporter: npu_chip_info_total_memory / used_memory)
+    "Ascend 310P3": DeviceProfile("npu", "Ascend 310P3", "310P3", 21534, 18.0, 72.0, 38.0, 60.0, 95.0,
+                                  "23.0.0", "7.1.0.4.220"),
     "H100": DeviceProfile("gpu", "H100", "NVIDIA H100 80GB HBM3", 81559, 70.0, 700.0, 32.0, 72.0, 92.0,
                           "550.127.05"),
     "A100": DeviceProfile("gpu", "A100", "NVIDIA A100-SXM4-80GB", 81920, 60.0, 400.0, 30.0, 70.0, 90.0,
@@ -225,6 +228,12 @@ class SimulatedNode:
         link = "UP"
         codes: list[str] = []
         xids: list[int] = []
+        # dcgm-exporter's XID field is the last XID the GPU reported: it keeps that value after the
+        # fault (an ``xid`` fault with ``reset=True`` ends with a GPU reset, which sets it back to 0)
+        xid_last: int | None = 0 if self.kind == "gpu" else None
+        xid_from = -math.inf
+        remapped_unc = 0.0 if self.kind == "gpu" else None
+        remap_failure: bool | None = False if self.kind == "gpu" else None
         severity = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3}
 
         def worse(h: str) -> None:
@@ -235,11 +244,19 @@ class SimulatedNode:
         for f in self.faults:
             if f.device != device:
                 continue
+            if f.kind == "xid" and f.start <= t and f.start >= xid_from:
+                xid_from = f.start
+                reset = f.params.get("reset") and f.duration is not None and t >= f.start + f.duration
+                xid_last = 0 if reset else int(f.params["xid"])
             if f.kind == "hbm_ecc_burst":
                 # counters are cumulative: they keep what the burst added after it ends
                 ecc_sb += math.floor(f.params.get("rate_per_s", 40) * f.elapsed(t))
                 if t >= f.start:
                     ecc_db += float(f.params.get("double_bit", 0))
+                    if remapped_unc is not None:  # a GPU remaps a row per uncorrectable error
+                        remapped_unc += float(f.params.get("double_bit", 0))
+                if f.active(t) and remap_failure is not None and f.params.get("remap_failure"):
+                    remap_failure = True
                 if f.active(t):
                     worse("Critical" if f.params.get("double_bit") else "Warning")
                 continue
@@ -258,7 +275,6 @@ class SimulatedNode:
                 codes.append(f.params["code"])
                 worse(f.params.get("health") or ASCEND_ERROR_CODES.get(f.params["code"], ("Alarm", ""))[0])
             elif f.kind == "xid":
-                xids.append(int(f.params["xid"]))
                 if f.params["xid"] == 79:  # fallen off the bus: nothing reads any more
                     util, power = 0.0, 0.0
             elif f.kind == "power_spike":
@@ -284,6 +300,11 @@ class SimulatedNode:
             link_status=link,
             error_codes=codes,
             xid_errors=xids,
+            xid_last=xid_last,
+            remapped_rows_uncorrectable=remapped_unc,
+            remapped_rows_correctable=0.0 if self.kind == "gpu" else None,
+            row_remap_failure=remap_failure,
+            bus_id=_bus_id(self.node, device, self.kind),
             pods=list(self.pods.get(device, [])),
         )
 
@@ -434,79 +455,86 @@ def _error_code_int(code: str) -> int:
     return int(code, 16)
 
 
+def _npu_model_label(device_model: str | None) -> str:
+    """``Ascend 910B4`` -> ``910B4-Ascend-V1``: the exporter writes ``<chip name>-<type>-<version>``."""
+    name = (device_model or "").replace("Ascend ", "").replace("Ascend", "")
+    return f"{name}-Ascend-V1" if name else ""
+
+
 def render_npu_exporter(samples: list[DeviceTelemetry], *, pod_namespace: str = "default") -> str:
-    """Prometheus text with MindCluster npu-exporter metric names and card labels."""
-    labels = ["id", "model_name", "vdie_id", "pcie_bus_info", "namespace", "pod_name", "container_name"]
+    """Prometheus text as MindCluster npu-exporter writes it: families sorted by name and labels by
+    name (the Go client's order), the card labels on every series (``id`` = the chip's physical id,
+    ``model_name`` = ``<name>-Ascend-V1``), ``npu_chip_info_name`` with the model in ``name``; HBM
+    series on 910 chips, DDR series (``npu_chip_info_total_memory`` / ``used_memory``) on 310P."""
+    labels = ["container_name", "id", "model_name", "namespace", "pcie_bus_info", "pod_name", "vdie_id"]
+    fams: dict[str, _Family] = {}
 
-    def g(name: str, doc: str) -> _Family:
-        return _Family(name, doc, "gauge", labels)
+    def put(name: str, doc: str, lv: list[str], value: float, label_names: list[str] = labels) -> None:
+        fam = fams.get(name)
+        if fam is None:
+            fam = fams[name] = _Family(name, doc, "gauge", label_names)
+        fam.add_metric(lv, value)
 
-    fams = {
-        "temp": g("npu_chip_info_temperature", "the npu temperature"),
-        "power": g("npu_chip_info_power", "the npu power"),
-        "health": g("npu_chip_info_health_status", "the npu health status (1 healthy, 0 unhealthy)"),
-        "util": g("npu_chip_info_utilization", "the ai core utilization"),
-        "hbm_used": g("npu_chip_info_hbm_used_memory", "the npu hbm used memory (MB)"),
-        "hbm_total": g("npu_chip_info_hbm_total_memory", "the npu hbm total memory (MB)"),
-        "sbe": g("npu_chip_info_hbm_ecc_single_bit_error_cnt", "HBM Single Bit Error Count"),
-        "dbe": g("npu_chip_info_hbm_ecc_double_bit_error_cnt", "HBM Double Bit Error Count"),
-        "err": g("npu_chip_info_error_code", "the npu error code (first one, decimal)"),
-        "link": g("npu_chip_info_link_status", "the npu link status (1 UP, 0 DOWN)"),
-        "net": g("npu_chip_info_network_status", "the npu network health status (1 healthy, 0 unhealthy)"),
-    }
-    extra_err: dict[int, _Family] = {}
-    names = _Family("npu_chip_info_name", "the Ascend npu name with value '1'", "gauge",
-                    ["id", "name", "vdie_id", "pcie_bus_info", "namespace", "pod_name", "container_name"])
-    count = _Family("machine_npu_nums", "Amount of npu installed on the machine.")
-    count.add_metric([], len(samples))
     for s in samples:
         pod = s.pods[0] if s.pods else ""
         key = _mix(zlib.crc32(s.node.encode()), int(s.device))
         vdie = f"{key:016X}{_mix(key, 1):016X}"
-        model = (s.device_model or "").replace("Ascend ", "Ascend")
-        lv = [s.device, model, vdie, _bus_id(s.node, s.device, "npu"), pod_namespace if pod else "", pod,
-              "vllm" if pod else ""]
-        names.add_metric([s.device, model, vdie, lv[3], lv[4], lv[5], lv[6]], 1)
-        fams["temp"].add_metric(lv, s.temperature_c or 0)
-        fams["power"].add_metric(lv, s.power_w or 0)
-        fams["health"].add_metric(lv, 1 if s.health in (None, "OK") else 0)
-        fams["util"].add_metric(lv, s.utilization_pct or 0)
-        fams["hbm_used"].add_metric(lv, s.memory_used_mb or 0)
-        fams["hbm_total"].add_metric(lv, s.memory_total_mb or 0)
-        fams["sbe"].add_metric(lv, s.ecc_single_bit_total or 0)
-        fams["dbe"].add_metric(lv, s.ecc_double_bit_total or 0)
-        fams["err"].add_metric(lv, _error_code_int(s.error_codes[0]) if s.error_codes else 0)
+        model = _npu_model_label(s.device_model)
+        bus = s.bus_id or _bus_id(s.node, s.device, "npu")
+        lv = ["vllm" if pod else "", s.device, model, pod_namespace if pod else "", bus, pod, vdie]
+        put("npu_chip_info_name", "the npu name with value '1'", [lv[0], lv[1], lv[2], *lv[3:]], 1,
+            ["container_name", "id", "name", "namespace", "pcie_bus_info", "pod_name", "vdie_id"])
+        put("npu_chip_info_temperature", "the npu temperature", lv, s.temperature_c or 0)
+        put("npu_chip_info_power", "the npu power", lv, s.power_w or 0)
+        put("npu_chip_info_health_status", "the npu health status", lv, 1 if s.health in (None, "OK") else 0)
+        put("npu_chip_info_utilization", "the ai core utilization", lv, s.utilization_pct or 0)
+        if (s.device_model or "").startswith("Ascend 310P"):
+            put("npu_chip_info_used_memory", "the npu used memory", lv, s.memory_used_mb or 0)
+            put("npu_chip_info_total_memory", "the npu total memory", lv, s.memory_total_mb or 0)
+        else:
+            put("npu_chip_info_hbm_used_memory", "the npu hbm used memory", lv, s.memory_used_mb or 0)
+            put("npu_chip_info_hbm_total_memory", "the npu hbm total memory", lv, s.memory_total_mb or 0)
+            put("npu_chip_info_hbm_ecc_single_bit_error_cnt", "HBM Single Bit Error Count", lv,
+                s.ecc_single_bit_total or 0)
+            put("npu_chip_info_hbm_ecc_double_bit_error_cnt", "HBM Double Bit Error Count", lv,
+                s.ecc_double_bit_total or 0)
+        put("npu_chip_info_error_code", "the npu error code", lv,
+            _error_code_int(s.error_codes[0]) if s.error_codes else 0)
         for i, code in enumerate(s.error_codes[1:], start=1):
-            fam = extra_err.setdefault(i, g(f"npu_chip_info_error_code_{i}", f"the npu error code {i}"))
-            fam.add_metric(lv, _error_code_int(code))
-        fams["link"].add_metric(lv, 1 if s.link_status != "DOWN" else 0)
-        fams["net"].add_metric(lv, 1 if s.link_status != "DOWN" else 0)
-    return _expose([count, names, *fams.values(), *extra_err.values()])
+            put(f"npu_chip_info_error_code_{i}", f"the npu error code {i}", lv, _error_code_int(code))
+        put("npu_chip_info_link_status", "the npu link status", lv, 1 if s.link_status != "DOWN" else 0)
+        put("npu_chip_info_network_status", "the npu network health status", lv, 1 if s.link_status != "DOWN" else 0)
+    count = _Family("machine_npu_nums", "Amount of npu installed on the machine.")
+    count.add_metric([], len(samples))
+    return _expose([count] + [fams[k] for k in sorted(fams)])
 
 
-def render_dcgm(samples: list[DeviceTelemetry], *, hostname: str | None = None) -> str:
-    """Prometheus text with dcgm-exporter field names and labels."""
-    labels = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION",
-              "container", "namespace", "pod"]
+#: dcgm-exporter's text for the XIDs the simulator uses (err_msg label of DCGM_FI_DEV_XID_ERRORS)
+_XID_TEXT = {0: "No Error", 13: "Graphics Engine Exception", 31: "GPU memory page fault",
+             48: "Double Bit ECC Error", 63: "ECC page retirement or row remapping recording event",
+             74: "NVLINK Error", 79: "GPU has fallen off the bus", 94: "Contained ECC error",
+             95: "Uncontained ECC error"}
 
-    def g(name: str, doc: str) -> _Family:
-        return _Family(name, doc, "gauge", labels)
 
-    def c(name: str, doc: str) -> _Family:
-        return _Family(name, doc, "counter", labels)
+def render_dcgm(samples: list[DeviceTelemetry], *, hostname: str | None = None, ecc: bool = False) -> str:
+    """Prometheus text as dcgm-exporter writes it with its default counters: labels in the order of
+    its template (``gpu, UUID, pci_bus_id, device, modelName, hostname``, then label fields and pod
+    labels sorted, then ``err_code``/``err_msg`` on the XID gauge), the XID as the last value seen,
+    row-remapping fields, and no ECC counters (they are commented out in the defaults; ``ecc=True``
+    adds them as a custom counters file would)."""
+    fams: dict[str, _Family] = {}
+    rows: dict[str, list] = {}
 
-    fams = {
-        "temp": g("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)."),
-        "mtemp": g("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C)."),
-        "power": g("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)."),
-        "util": g("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)."),
-        "fb_used": g("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)."),
-        "fb_free": g("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)."),
-        "xid": g("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered."),
-        "sbe": c("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors."),
-        "dbe": c("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors."),
-        "nvlink": g("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes."),
-    }
+    def put(name: str, doc: str, mtype: str, names: list[str], lv: list[str], value: float) -> None:
+        fam = fams.get(name)
+        if fam is None:
+            fam = fams[name] = _Family(name, doc, mtype, names)
+            rows[name] = []
+        if fam.labels != names:  # series of one family with other labels (pod / no pod): own family object
+            fam = _Family(name, doc, mtype, names)
+            rows[name].append(fam)
+        fam.add_metric(lv, value)
+
     for s in samples:
         pod = s.pods[0] if s.pods else ""
         uuid = "GPU-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}".format(
@@ -514,20 +542,58 @@ def render_dcgm(samples: list[DeviceTelemetry], *, hostname: str | None = None) 
                          x & 0xFFFFFFFFFFFF))(_mix(zlib.crc32(s.node.encode()), int(s.device)) << 64
                                               | _mix(int(s.device), 7)))
         model = PROFILES[s.device_model].smi_name if s.device_model in PROFILES else (s.device_model or "")
-        lv = [s.device, uuid, _bus_id(s.node, s.device, "gpu"), f"nvidia{s.device}", model,
-              hostname or s.node, s.driver or "", "vllm" if pod else "", "default" if pod else "", pod]
-        fams["temp"].add_metric(lv, s.temperature_c or 0)
-        fams["mtemp"].add_metric(lv, round((s.temperature_c or 0) + 4))
-        fams["power"].add_metric(lv, s.power_w or 0)
-        fams["util"].add_metric(lv, s.utilization_pct or 0)
+        names = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION"]
+        lv = [s.device, uuid, s.bus_id or _bus_id(s.node, s.device, "gpu"), f"nvidia{s.device}", model,
+              hostname or s.node, s.driver or ""]
+        if pod:
+            names += ["container", "namespace", "pod"]
+            lv += ["vllm", "default", pod]
+
+        def g(name, doc, value, mtype="gauge"):
+            if value is not None:
+                put(name, doc, mtype, names, lv, value)
+
         used = s.memory_used_mb or 0
-        fams["fb_used"].add_metric(lv, used)
-        fams["fb_free"].add_metric(lv, max(0.0, (s.memory_total_mb or 0) - used))
-        fams["xid"].add_metric(lv, s.xid_errors[-1] if s.xid_errors else 0)
-        fams["sbe"].add_metric(lv, s.ecc_single_bit_total or 0)
-        fams["dbe"].add_metric(lv, s.ecc_double_bit_total or 0)
-        fams["nvlink"].add_metric(lv, 0 if s.link_status == "DOWN" else 1_000_000)
-    return _expose(list(fams.values()))
+        g("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", s.temperature_c or 0)
+        g("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C).", round((s.temperature_c or 0) + 4))
+        g("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", s.power_w or 0)
+        g("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", s.utilization_pct or 0)
+        g("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", used)
+        g("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", max(0.0, (s.memory_total_mb or 0) - used))
+        g("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", 0)
+        xid = s.xid_last if s.xid_last is not None else (s.xid_errors[-1] if s.xid_errors else 0)
+        put("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.", "gauge",
+            names + ["err_code", "err_msg"], lv + [str(xid), _XID_TEXT.get(xid, "Unknown Error")], xid)
+        g("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors",
+          s.remapped_rows_uncorrectable or 0, "counter")
+        g("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for correctable errors",
+          s.remapped_rows_correctable or 0, "counter")
+        g("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed", 1 if s.row_remap_failure else 0)
+        if ecc:
+            g("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.",
+              s.ecc_single_bit_total or 0, "counter")
+            g("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors.",
+              s.ecc_double_bit_total or 0, "counter")
+        g("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes.",
+          0 if s.link_status == "DOWN" else 1_000_000, "counter")
+    out = []
+    for name, fam in fams.items():  # one HELP/TYPE block per family, series of every label shape in it
+        fam.samples = [(dict(zip(fam.labels, v)), x) for v, x in fam.samples]
+        for extra in rows[name]:
+            fam.samples += [(dict(zip(extra.labels, v)), x) for v, x in extra.samples]
+        out.append(fam)
+    return _expose_mixed(out)
+
+
+def _expose_mixed(families: list[_Family]) -> str:
+    lines: list[str] = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {fam.doc}")
+        lines.append(f"# TYPE {fam.name} {fam.mtype}")
+        for labels, v in fam.samples:
+            lab = ",".join(f'{k}="{_escape_label(x)}"' for k, x in labels.items())
+            lines.append(f"{fam.name}{{{lab}}} {_fmt_value(v)}")
+    return "\n".join(lines) + "\n"
 
 
 def render(samples: list[DeviceTelemetry], fmt: str, **kw: Any) -> str:

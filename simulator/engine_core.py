@@ -354,7 +354,10 @@ class EngineCore:
         return t
 
     def transfer_time(self, num_tokens: int) -> float:
-        return self._link_latency + num_tokens * self.kv_bytes_per_token / self._link_bw
+        """Pulling ``num_tokens`` of KV: whole paged blocks move (the last one partly filled), at the
+        connector link's bandwidth (``kv_link_gbps`` or the hardware profile's), plus its latency."""
+        blocks = -(-num_tokens // self.block_size)
+        return self._link_latency + blocks * self.block_size * self.kv_bytes_per_token / self._link_bw
 
     def _release_transfer(self, t: Transfer) -> None:
         if self.transfers.pop(t.transfer_id, None) is not None:

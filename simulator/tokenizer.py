@@ -86,8 +86,7 @@ def _content_parts(content: Any) -> list[str]:
             elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
                 texts.append(str(part["text"]))
             else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content part of type {kind!r} is not supported (only text)")
+                raise ValueError("only text content parts are supported")
         return texts
     raise ValueError("message content must be a string or a list of text parts")
 
@@ -149,7 +148,7 @@ def simple_chat_template(messages: Sequence[Message], add_generation_prompt: boo
 
 # ---------------------------------------------------------------- jinja as transformers sets it up
 
-def _jinja_env():  # noqa: ANN202
+def _jinja_env():
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -160,18 +159,18 @@ def _jinja_env():  # noqa: ANN202
 
         tags = {"generation"}
 
-        def parse(self, parser):  # noqa: ANN001, ANN202
+        def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body, lineno=lineno)
 
-    def raise_exception(message):  # noqa: ANN001, ANN202
+    def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # noqa: ANN001, ANN202
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(fmt):  # noqa: ANN001, ANN202
+    def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])

@@ -52,6 +52,11 @@ class DeviceRecord:
     facts: dict[str, str | None] = field(default_factory=dict)
     history: deque = field(default_factory=deque)  # (ts, temperature_c, ecc_single_bit_total, ecc_double_bit_total)
     dbe_delta: float = 0.0  # double-bit errors added by the newest sample
+    # NVIDIA Xid as dcgm-exporter reports it, a "last value" gauge: a change to a non-zero value is
+    # an event (the first value seen counts as one); a return to 0 (GPU reset, driver reload) clears
+    xid_events: list[int] = field(default_factory=list)
+    xid_cleared: bool = False
+    remap_unc_delta: float = 0.0  # rows remapped for uncorrectable errors added by the newest sample
     out_of_order: int = 0
 
     @property
@@ -180,7 +185,20 @@ class HealthState:
             rec.out_of_order += 1
             rec.last_seen = now
             return None
-        prev_dbe = rec.latest.ecc_double_bit_total if rec.latest is not t else None
+        prev = rec.latest if rec.latest is not t else None
+        prev_dbe = prev.ecc_double_bit_total if prev is not None else None
+        rec.xid_events, rec.xid_cleared, rec.remap_unc_delta = [], False, 0.0
+        x = t.xid_last
+        if x is not None:
+            px = prev.xid_last if prev is not None else None
+            if x != 0 and x != px:
+                rec.xid_events = [x]
+            elif x == 0 and px:
+                rec.xid_cleared = True
+        unc = t.remapped_rows_uncorrectable
+        punc = prev.remapped_rows_uncorrectable if prev is not None else None
+        if unc is not None and punc is not None and unc > punc:
+            rec.remap_unc_delta = unc - punc
         rec.kind = t.kind
         rec.latest = t
         rec.last_ts = t.ts

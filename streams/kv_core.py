@@ -31,7 +31,11 @@ operation that could overflow a table and says which; the caller grows it and ca
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import binding as _llvm
+from llvmlite import ir as _ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 U64 = np.uint64
 LOAD = 0.6  # grow a table before it would pass this load factor
@@ -95,6 +99,37 @@ def chain_keys(tokens, bs, n, seed):
         s = _hash_block(tokens, i * bs, bs, s)
         out[i] = s
     return out
+
+
+# ------------------------------------------------------------------------------ prefetch
+
+# LLVM 17+ has only opaque pointers (llvm.prefetch.p0); before, numba's typed i8* overload is p0i8
+_PREFETCH = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
+PREFETCH_AHEAD = 12  # query walk: rows requested this many blocks ahead
+
+
+@intrinsic
+def _prefetch_row(typingctx, arr, row):
+    """Ask the CPU to start loading row ``row`` of a 2-D array (no load, no fault, no wait)."""
+    if not isinstance(arr, types.Array) or arr.ndim != 2 or not isinstance(row, types.Integer):
+        return None
+    sig = types.void(arr, row)
+
+    def codegen(context, builder, signature, args):
+        aryty, rowty = signature.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        r = context.cast(builder, args[1], rowty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [r, context.get_constant(types.intp, 0)],
+                                       wraparound=False)
+        i8p = _ir.IntType(8).as_pointer()
+        i32 = _ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH)
+        # read, keep in all cache levels, data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), _ir.Constant(i32, 0), _ir.Constant(i32, 3), _ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # ------------------------------------------------------------------------------ key table
@@ -231,21 +266,39 @@ def _kt_put(out, src, r):
 # ------------------------------------------------------------------------------ growing
 
 
+# Tables are allocated by numpy, never inside a kernel: numpy advises the kernel to back large
+# arrays with transparent huge pages (numba's allocator does not), so a table of millions of
+# rows costs a query a cache miss per block but rarely a TLB miss as well.
+
+
+def table(rows: int, cols: int) -> np.ndarray:
+    """A zeroed table (numpy's allocator: huge pages for large tables where the kernel allows)."""
+    return np.zeros((rows, cols), dtype=np.uint64)
+
+
 @njit(cache=True)
-def grow_kt(kt, new_cap):
-    out = np.zeros((new_cap, kt.shape[1]), dtype=np.uint64)
+def _rehash_kt(kt, out):
     for r in range(kt.shape[0]):
         if kt[r, 0] != U64(0):
             _kt_put(out, kt, r)
+
+
+def grow_kt(kt, new_cap):
+    out = table(new_cap, kt.shape[1])
+    _rehash_kt(kt, out)
     return out
 
 
 @njit(cache=True)
-def grow_pairs(t, new_cap):
-    out = np.zeros((new_cap, 3), dtype=np.uint64)
+def _rehash_pairs(t, out):
     for r in range(t.shape[0]):
         if t[r, 1] != U64(0):
             _p_put(out, t[r, 0], t[r, 1], t[r, 2])
+
+
+def grow_pairs(t, new_cap):
+    out = table(new_cap, 3)
+    _rehash_pairs(t, out)
     return out
 
 
@@ -440,10 +493,9 @@ def tokens_key(tokens, t0, i):
 
 
 @njit(cache=True)
-def _pairs_without(t, slot, tier):
-    """The pair table rebuilt without the rows of ``slot`` in ``tier`` (every tier if < 0), and
-    how many rows it keeps."""
-    out = np.zeros_like(t)
+def _pairs_without(t, out, slot, tier):
+    """The pair table rebuilt into ``out`` (zeroed, same shape) without the rows of ``slot`` in
+    ``tier`` (every tier if < 0); returns how many rows it keeps."""
     kept = 0
     for r in range(t.shape[0]):
         b = t[r, 1]
@@ -454,19 +506,24 @@ def _pairs_without(t, slot, tier):
             continue
         _p_put(out, t[r, 0], b, t[r, 2])
         kept += 1
-    return out, kept
+    return kept
 
 
-@njit(cache=True)
 def clear_holder(kt, em, ex, sz, cnt, W, slot, tier):
     """Drop everything ``slot`` holds in ``tier`` (or every tier when ``tier < 0``).
     Returns the new ``(kt, em, ex)`` (rebuilt at the same capacity) and the hashes dropped."""
+    kt2, em2, ex2 = table(*kt.shape), table(*em.shape), table(*ex.shape)
+    dropped = _clear_holder_into(kt, em, ex, kt2, em2, ex2, sz, cnt, W, slot, tier)
+    return kt2, em2, ex2, dropped
+
+
+@njit(cache=True)
+def _clear_holder_into(kt, em, ex, kt2, em2, ex2, sz, cnt, W, slot, tier):
     T = (kt.shape[1] - 1) // W
-    em2, n_em = _pairs_without(em, slot, tier)
+    n_em = _pairs_without(em, em2, slot, tier)
     dropped = sz[1] - n_em
-    ex2, n_ex = _pairs_without(ex, slot, tier)
+    n_ex = _pairs_without(ex, ex2, slot, tier)
     # key table: clear the slot's bit in the tier(s), drop rows nobody holds
-    kt2 = np.zeros_like(kt)
     cols = kt.shape[1]
     w = slot >> 6
     nbit = ~(U64(1) << U64(slot & 63))
@@ -491,7 +548,7 @@ def clear_holder(kt, em, ex, sz, cnt, W, slot, tier):
     sz[0] = n_kt
     sz[1] = n_em
     sz[2] = n_ex
-    return kt2, em2, ex2, dropped
+    return dropped
 
 
 # ------------------------------------------------------------------------------- queries
@@ -534,15 +591,17 @@ def query(kt, W, keys, allowed, pred, torder, matched, tiers):
     new = np.empty(W, dtype=np.uint64)
     use_pred = pred.shape[0] > 0
     detail = tiers.shape[0] > 0
-    # touch every key's home row first: independent loads, so the cache misses overlap
+    # the home rows of the next PREFETCH_AHEAD keys are requested ahead of the walk, so their
+    # cache misses overlap each other and the work, and a walk that stops early loads no more
     kt_mask = kt.shape[0] - 1
-    sink = U64(0)
-    for j in range(n):
-        sink ^= kt[np.int64(keys[j] & U64(kt_mask)), 0]
-    if sink == U64(0x5EED):
-        n += 0
+    ahead = min(n, PREFETCH_AHEAD)
+    for j in range(ahead):
+        _prefetch_row(kt, np.int64(keys[j] & U64(kt_mask)))
     i = 0
     while i < n:
+        if ahead < n:
+            _prefetch_row(kt, np.int64(keys[ahead] & U64(kt_mask)))
+            ahead += 1
         ki = _kt_find(kt, keys[i])
         anyb = False
         for w in range(W):

@@ -191,3 +191,59 @@ async def until(cond, timeout: float, what: str, every: float = 0.1) -> float:
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(every)
+
+
+class NatsCluster:
+    """``n`` nats-server processes forming one JetStream cluster on loopback, each with its own
+    store directory; a node can be SIGKILLed and restarted on the same ports and store."""
+
+    def __init__(self, root, n: int = 3):
+        from pathlib import Path
+
+        from infernex.embedded_nats import find_nats_server, free_port
+
+        self.binary = str(find_nats_server())
+        self.root = Path(root)
+        self.n = n
+        self.ports = [free_port() for _ in range(n)]
+        self.cports = [free_port() for _ in range(n)]
+        self.procs: list = [None] * n
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{p}" for p in self.ports]
+
+    def name(self, i: int) -> str:
+        return f"n{i}"
+
+    def start(self, i: int) -> None:
+        import subprocess
+
+        d = self.root / self.name(i)
+        d.mkdir(parents=True, exist_ok=True)
+        routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.cports) if j != i)
+        (d / "nats.conf").write_text(
+            f"server_name: {self.name(i)}\nlisten: 127.0.0.1:{self.ports[i]}\n"
+            f"jetstream {{ store_dir: {d / 'js'} }}\n"
+            f"cluster {{ name: chaos, listen: 127.0.0.1:{self.cports[i]}, routes: [{routes}] }}\n")
+        log = open(d / "server.log", "ab")
+        self.procs[i] = subprocess.Popen([self.binary, "-c", str(d / "nats.conf")], stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL)
+
+    def start_all(self) -> None:
+        for i in range(self.n):
+            self.start(i)
+
+    def kill(self, i: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(10)
+        self.procs[i] = None
+
+    def index_of(self, server_name: str) -> int:
+        return int(server_name.lstrip("n"))
+
+    def stop_all(self) -> None:
+        for i in range(self.n):
+            self.kill(i)

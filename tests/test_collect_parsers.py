@@ -54,7 +54,9 @@ def test_dcgm_metrics():
     assert (g0.device_model, g0.driver, g0.temperature_c, g0.power_w) == ("H100", "550.127.05", 41, 402.871)
     assert g0.memory_used_mb == 73085 and g0.memory_total_mb == 73085 + 7634 and g0.pods == ["llama-70b-0"]
     assert samples["2"].ecc_single_bit_total == 312  # counter declared without _total
-    assert samples["3"].xid_errors == [79] and samples["0"].xid_errors == []
+    # the last-Xid gauge is a value, not "new events": the health fold turns a change into an event
+    assert samples["3"].xid_last == 79 and samples["0"].xid_last == 0
+    assert samples["3"].xid_errors == [] and samples["0"].xid_errors == []
     assert samples["3"].ecc_double_bit_total == 2
 
 

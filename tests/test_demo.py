@@ -39,6 +39,13 @@ def test_short_demo_run(tmp_path):
     assert data["kv-aware"]["overlap_share"] >= 0.9
     assert data["pd-kv-aware"]["summary"]["ok"] > 0
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"  # the run as time series
+    validity = json.loads((out / "validity.json").read_text())
+    assert set(validity["strategies"]) == {"round-robin", "kv-aware", "pd-kv-aware"}
+    assert validity["verdict"].startswith("Live run valid" if validity["valid"] else "Live run NOT valid")
+    head = json.loads((out / "headline.json").read_text())
+    assert head["base"] == "round-robin" and head["best"] == "kv-aware" and head["ratio"] > 0
+    assert "Virtual time" in r.stdout and "Headline" in r.stdout
     html = (out / "report.html").read_text()
     assert "kv-aware" in html and "data:image/png;base64," in html
     # the rest of the control plane ran too: records read back from ClickHouse per strategy, and

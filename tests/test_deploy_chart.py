@@ -339,9 +339,16 @@ def test_nats_production_cluster(tmp_path):
     # nats-server itself accepts the configuration.
     binary = _nats_server()
     path = tmp_path / "nats.conf"
-    path.write_text(conf.replace("store_dir: /data", f"store_dir: {tmp_path}"))
+    import base64
+
+    # its users' passwords come from the environment, its certificate from the TLS Secret
+    users = one(docs, "Secret", "infernex-nats-auth")["data"]
+    env = {k.upper().replace("-", "_") + "_PASSWORD": base64.b64decode(v).decode() for k, v in users.items()}
+    for name, data in one(docs, "Secret", "infernex-nats-tls")["data"].items():
+        (tmp_path / name).write_bytes(base64.b64decode(data))
+    path.write_text(conf.replace("store_dir: /data", f"store_dir: {tmp_path}").replace("/etc/nats-tls", str(tmp_path)))
     proc = subprocess.run([binary, "-c", str(path), "-t"], capture_output=True, text=True, timeout=30,
-                          env={"SERVER_NAME": "infernex-nats-0", "PATH": "/usr/bin:/bin"})
+                          env={"SERVER_NAME": "infernex-nats-0", "PATH": "/usr/bin:/bin", **env})
     assert proc.returncode == 0, proc.stderr + proc.stdout
 
 

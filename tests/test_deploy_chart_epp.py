@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from deploytools import (
+    ToolMissing,
     by_kind,
     container,
     helm,
@@ -20,8 +20,8 @@ from deploytools import (
     selector_matches,
     validate_core,
     validate_gateway_api,
-    ToolMissing,
 )
+
 from router.profiles import load_strategy_file
 
 SEED = str(Path(__file__).parent / "fixtures" / "chart" / "values-seed-000.yaml")

@@ -180,3 +180,37 @@ def test_router_auth_from_secret(monkeypatch, tmp_path):
     assert str(settings.router.api_keys_file) == f"{mounts['auth']}/api-keys"
     assert settings.router.rate_limit_rps == 20
     assert "s3cret" not in repr(settings)
+
+
+KAFKA_SETS = ["kafkaExport.enabled=true", "kafkaExport.bootstrap=kafka.data:9093",
+              "kafkaExport.security.protocol=SASL_SSL", "kafkaExport.security.saslMechanism=SCRAM-SHA-512",
+              "kafkaExport.security.username=infernex", "kafkaExport.security.passwordSecret.name=kafka-creds",
+              "kafkaExport.security.caFile=/etc/ssl/certs/ca-certificates.crt"]
+
+
+def test_kafka_export_from_chart_values():
+    """kafkaExport values render an exporter whose args parse with the real CLI, with its
+    password from a Secret (never in the args), probes on its metrics port, and a metrics Service."""
+    from deploytools import render
+
+    docs = render(None, sets=KAFKA_SETS)
+    deps = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-kafka-export")]
+    assert len(deps) == 1
+    c = deps[0]["spec"]["template"]["spec"]["containers"][0]
+    assert _parse(c["args"]) == ["export", "kafka"]
+    args = c["args"]
+    assert args[args.index("--security-protocol") + 1] == "SASL_SSL"
+    assert args[args.index("--sasl-mechanism") + 1] == "SCRAM-SHA-512"
+    assert args[args.index("--metrics-port") + 1] == "9107"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["INFERNEX_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "kafka-creds", "key": "password"}
+    assert not any("password" in a.lower() and a != "--sasl-password-env" for a in args)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert not [d for d in render(None) if d["metadata"]["name"].endswith("-kafka-export")]  # off by default
+
+
+def test_kafka_export_sasl_without_secret_is_refused():
+    from deploytools import render
+
+    with pytest.raises(AssertionError, match="SASL needs saslMechanism, username and passwordSecret.name"):
+        render(None, sets=KAFKA_SETS[:4])

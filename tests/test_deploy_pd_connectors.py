@@ -54,11 +54,14 @@ def test_each_connector_renders_what_its_engine_reads(conn, name, router_conn):
         assert pd["bootstrap_port"] == 28000
 
 
-def test_the_removed_module_path_is_refused_with_the_fix():
-    proc = helm("template", "x", str(CHART), "-f", str(CHART / PD), "--set",
-                f"{SVC}.pd.kvTransferConfig.kv_connector_module_path=vllm_ascend.distributed.mooncake_connector",
-                check=False)
-    assert proc.returncode != 0 and "kv_connector_module_path is not needed" in proc.stderr
+def test_the_removed_module_path_is_dropped_and_noted():
+    sets = [f"{SVC}.pd.kvTransferConfig.kv_connector_module_path=vllm_ascend.distributed.mooncake_connector"]
+    proc = helm("template", "x", str(CHART), "-f", str(CHART / PD), "--set", sets[0], check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "vllm_ascend.distributed.mooncake_connector" not in proc.stdout
+    notes = helm("install", "x", str(CHART), "-f", str(CHART / PD), "--set", sets[0], "--dry-run=client",
+                 check=False)
+    assert "kv_connector_module_path" in notes.stdout
 
 
 def test_data_parallel_ranks_publish_under_their_own_names():

@@ -48,7 +48,9 @@ def test_error_code_link_down_and_xid79():
     assert s1.link_status == "DOWN" and n.sample(6)[1].link_status == "UP"
     g = SimulatedNode("g", 2, "gpu", seed=2)
     g.scenario("xid79", start=10, device=1)
-    assert g.sample(9)[1].xid_errors == [] and g.sample(11)[1].xid_errors == [79]
+    # dcgm-exporter's XID is the last value seen: 0 before, 79 from the fault on (it stays after it)
+    assert g.sample(9)[1].xid_last == 0 and g.sample(11)[1].xid_last == 79
+    assert g.sample(10_000)[1].xid_last == 79 and g.sample(11)[1].xid_errors == []
     assert g.sample(11)[1].utilization_pct == 0
 
 
@@ -98,7 +100,9 @@ def test_renderers_round_trip_through_the_real_parsers():
     g.inject(0, "hbm_ecc_burst", 0, 2, rate_per_s=3)
     gs = g.sample(5)
     parsed = {s.device: s for s in parse_dcgm(render_dcgm(gs), "gpu-a", 5)}
-    assert parsed["1"].xid_errors == [79] and parsed["0"].ecc_single_bit_total == 6
+    assert parsed["1"].xid_last == 79 and parsed["0"].ecc_single_bit_total is None  # default counters: no ECC
+    parsed = {s.device: s for s in parse_dcgm(render_dcgm(gs, ecc=True), "gpu-a", 5)}
+    assert parsed["1"].xid_last == 79 and parsed["0"].ecc_single_bit_total == 6
     assert parsed["0"].device_model == "H100" and parsed["0"].memory_total_mb == gs[0].memory_total_mb
 
 

@@ -47,7 +47,7 @@ async def engines(*roles: str, blocks: int = 8192):
 
 @contextlib.asynccontextmanager
 async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUPLEX_STREAMED",
-                failure_mode_allow=False, fallback=None):
+                failure_mode_allow=False, fallback=None, subset=None):
     epp_port = free_port()
     app = RouterApp(RouterConfig(strategy=strategy, backends=backends, bus=nats is not None, records=False,
                                  epp_port=epp_port, seed=1, kv_snapshot=None), nats)
@@ -55,7 +55,7 @@ async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUP
     try:
         await app.start("127.0.0.1", 0)
         cfg = envoy_config(free_port(), free_port(), ("127.0.0.1", epp_port), body_mode=body_mode,
-                           failure_mode_allow=failure_mode_allow,
+                           failure_mode_allow=failure_mode_allow, subset=subset,
                            fallback=fallback or [_hp(b.url) for b in backends])
         env = await asyncio.to_thread(EnvoyProcess(cfg).start)
         async with client(env) as c:
@@ -64,6 +64,14 @@ async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUP
         if env is not None:
             await asyncio.to_thread(env.stop)
         await app.stop(drain=False)
+
+
+def epp_connections(env: EnvoyProcess) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(env.admin + "/stats?filter=^cluster.epp.upstream_cx_active$", timeout=2) as r:
+        text = r.read().decode()
+    return int(text.split(":")[1]) if ":" in text else 0
 
 
 def client(env: EnvoyProcess) -> openai.AsyncOpenAI:
@@ -79,7 +87,7 @@ def pod_of(headers, backends) -> str:
 async def test_openai_client_through_envoy_chat_stream_completions(body_mode):
     async with engines("aggregated", "aggregated") as cluster:
         backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
-        async with stack(backends, body_mode=body_mode) as (app, env, c):
+        async with stack(backends, body_mode=body_mode) as (app, _env, c):
             r = await c.chat.completions.with_raw_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4)
             chat = r.parse()
@@ -130,7 +138,7 @@ async def test_kv_aware_picks_through_envoy_equal_the_http_routers(nats_config, 
                 bridges.append(asyncio.create_task(b.run(stop)))
                 await asyncio.wait_for(b.ready.wait(), 15)
             backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
-            async with stack(backends, nats=nats_config) as (app, env, c):
+            async with stack(backends, nats=nats_config) as (app, _env, c):
                 shared = [(i * 7919) % 30000 + 20 for i in range(320)]  # 20 blocks
                 await c.completions.create(model=MODEL, prompt=shared + [1, 2, 3], max_tokens=2)
                 assert await wait_for(lambda: any(m.matched_blocks >= 20 for m in
@@ -150,20 +158,26 @@ async def test_kv_aware_picks_through_envoy_equal_the_http_routers(nats_config, 
             for t in bridges:
                 try:
                     await asyncio.wait_for(t, 10)
-                except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best-effort teardown
+                except (TimeoutError, Exception):  # noqa: BLE001 - best-effort teardown
                     t.cancel()
 
 
-@pytest.mark.parametrize("allow", [False, True])
-async def test_failing_epp_follows_failure_mode_allow(allow):
+# Fail-open is checked with buffered bodies: with full-duplex bodies Envoy has already handed the
+# body to the processor, so a stream that dies then cannot be continued (seen with Envoy 1.40:
+# intermittent 500s), and GIE gateways that fail open do it before the body.
+@pytest.mark.parametrize("allow, body_mode", [(False, "FULL_DUPLEX_STREAMED"), (False, "BUFFERED"),
+                                              (True, "BUFFERED")])
+async def test_failing_epp_follows_failure_mode_allow(allow, body_mode):
     async with engines("aggregated") as cluster:
         backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
-        async with stack(backends, failure_mode_allow=allow) as (app, env, c):
+        async with stack(backends, failure_mode_allow=allow, body_mode=body_mode) as (app, env, c):
             ok = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
                                                  max_tokens=2)
             assert ok.choices[0].message.content
             await app.epp.stop(grace_s=0)  # the picker goes away
             app.epp = None
+            # once Envoy has seen its connection to the picker close, every new request finds it down
+            assert await wait_for(lambda: epp_connections(env) == 0, timeout=10)
             if allow:  # fail open: Envoy sends the request on unrouted (to the pool's fallback)
                 r = await c.chat.completions.with_raw_response.create(
                     model=MODEL, messages=[{"role": "user", "content": "b"}], max_tokens=2)
@@ -187,7 +201,7 @@ async def test_pd_through_the_prefiller_header():
         try:
             backends = [StaticBackend(pod=pre.engine_id, url=pre.url, model=MODEL, role="prefill", group="g"),
                         StaticBackend(pod=dec.engine_id, url=sidecar.url, model=MODEL, role="decode", group="g")]
-            async with stack(backends, strategy="pd-kv-aware") as (app, env, c):
+            async with stack(backends, strategy="pd-kv-aware") as (app, _env, c):
                 long_prompt = "the quick brown fox " * 200  # well above the 256-token threshold
                 r = await c.chat.completions.with_raw_response.create(
                     model=MODEL, messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
@@ -207,3 +221,19 @@ async def test_pd_through_the_prefiller_header():
                                                      {"pod": "p0", "stage": "prefill"}) == 2
         finally:
             await sidecar.stop()
+
+
+async def test_envoy_subset_hint_restricts_the_pick():
+    """Envoy puts envoy.lb.subset_hint metadata on the request (set_metadata filter) and forwards
+    it to the picker: every pick stays inside the subset; a subset the picker cannot serve is 503."""
+    async with engines("aggregated", "aggregated", "aggregated") as cluster:
+        backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
+        allowed = endpoint_of(backends[2].url)
+        async with stack(backends, subset=[allowed]) as (_app, _env, c):
+            for k in range(6):
+                r = await c.completions.with_raw_response.create(model=MODEL, prompt=f"req {k}", max_tokens=2)
+                assert r.headers["x-upstream-host"] == allowed
+        async with stack(backends, subset=["10.255.0.1:8000"]) as (_app, _env, c):
+            with pytest.raises(openai.InternalServerError) as ei:
+                await c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            assert ei.value.status_code == 503 and ei.value.body["code"] == "no_backend"

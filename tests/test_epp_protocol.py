@@ -174,14 +174,63 @@ async def test_grpc_health_reports_liveness_readiness_and_the_service(epp):
     for name in ("liveness", "readiness", P.SERVICE):
         r = await h.Check(health_pb2.HealthCheckRequest(service=name))
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-    await srv.set_serving(False)
-    r = await h.Check(health_pb2.HealthCheckRequest(service="readiness"))
-    assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    r = await h.Check(health_pb2.HealthCheckRequest(service="liveness"))
-    assert r.status == health_pb2.HealthCheckResponse.SERVING
+    # readiness follows the router: no usable backend (or draining) -> NOT_SERVING, liveness stays
+    for b in srv.svc.state.snapshot():
+        b.health = "critical"
+    assert await srv.check_ready() is False
+    for name, want in (("readiness", "NOT_SERVING"), (P.SERVICE, "NOT_SERVING"), ("liveness", "SERVING")):
+        r = await h.Check(health_pb2.HealthCheckRequest(service=name))
+        assert r.status == getattr(health_pb2.HealthCheckResponse, want), name
+    for b in srv.svc.state.snapshot():
+        b.health = "ok"
+    assert await srv.check_ready() is True
+    srv.svc.draining = True
+    assert await srv.check_ready() is False
 
 
 def test_endpoint_of_urls():
     assert P.endpoint_of("http://10.0.0.5:8000") == "10.0.0.5:8000"
     assert P.endpoint_of("http://[fd00::1]:8000/v1") == "[fd00::1]:8000"
     assert P.endpoint_of("http://pod.ns.svc") == "pod.ns.svc:80"
+
+
+async def test_served_fallback_takes_over_the_in_flight_count(epp):
+    """The proxy reports in envoy.lb / x-gateway-destination-endpoint-served which endpoint
+    served (a fallback after a failed primary): the in-flight count follows it."""
+    import asyncio
+
+    svc, _, stub, _ = await epp(fallbacks=1)
+    call = stub.Process()
+    for m in [headers_msg(), *body_msgs(chat())]:
+        await call.write(m)
+    first = await call.read()
+    primary, fallback = set_headers(first.request_headers.response)[P.DESTINATION].split(",")
+    await call.read()  # the body handed back
+    by_ep = {P.endpoint_of(b.url): b for b in svc.state.snapshot()}
+    assert by_ep[primary].inflight == 1 and by_ep[fallback].inflight == 0
+    resp = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
+    s = struct_pb2.Struct()
+    s.update({P.SERVED: fallback})
+    resp.metadata_context.filter_metadata[P.LB_NAMESPACE].CopyFrom(s)
+    await call.write(resp)
+    assert (await call.read()).WhichOneof("response") == "response_headers"
+    assert by_ep[primary].inflight == 0 and by_ep[fallback].inflight == 1
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    for _ in range(100):
+        if by_ep[fallback].inflight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert by_ep[fallback].inflight == 0
+
+
+async def test_streamed_mode_routes_on_the_headers_and_passes_chunks(epp):
+    svc, _, stub, _ = await epp()
+    svc.state.get("p0").waiting = 3
+    svc.state.get("p2").waiting = 1
+    out = await converse(stub, [headers_msg(mode=processing_mode_pb2.ProcessingMode.STREAMED),
+                                *body_msgs(chat("z" * 100_000))])
+    assert set_headers(out[0].request_headers.response)[P.DESTINATION] == "10.0.0.2:8000"
+    assert [m.WhichOneof("response") for m in out[1:]] == ["request_body"] * 2
+    assert not any(m.request_body.response.body_mutation.ListFields() for m in out[1:])

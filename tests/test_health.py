@@ -5,6 +5,7 @@ goes away."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import subprocess
@@ -108,7 +109,7 @@ def _get(url: str) -> tuple[int, dict | str]:
             status, text = r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode()
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:  # not listening yet, or half-started
         return 0, str(exc)
     try:
         return status, json.loads(text)
@@ -159,3 +160,37 @@ def test_bridge_process_not_ready_without_nats(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         server.cleanup()
+
+
+def test_collector_and_diagnose_processes_check_nats_and_lag(nats_server, prefix, tmp_path):
+    """``collect metrics`` and ``diagnose`` (started together): /readyz names what it checked,
+    including the diagnosis durable's consumer lag; unknown paths are 404s."""
+    env = dict(os.environ, INFERNEX_NATS__SERVERS=nats_server.url, INFERNEX_NATS__SUBJECT_PREFIX=prefix)
+    subprocess.run([sys.executable, "-m", "infernex.cli", "streams", "apply"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    ports = {"collect": free_port(), "diagnose": free_port()}
+    cmds = {
+        "collect": ["collect", "metrics", "--target", f"http://127.0.0.1:{free_port()}", "--pod", "p0",
+                    "--metrics-port", str(ports["collect"])],
+        "diagnose": ["diagnose", "--metrics-port", str(ports["diagnose"]), "--durable", f"{prefix}-diag"],
+    }
+    procs = {k: subprocess.Popen([sys.executable, "-m", "infernex.cli", *c], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL) for k, c in cmds.items()}
+    try:
+        body = _wait(f"http://127.0.0.1:{ports['collect']}/readyz", 200, timeout=90)
+        assert body["checks"]["nats"]["state"] == "connected"
+        assert "down" in next(v for k, v in body["checks"]["scrapes"].items() if k.startswith("http"))
+        body = _wait(f"http://127.0.0.1:{ports['diagnose']}/readyz", 200, timeout=90)
+        assert body["checks"]["consumer_lag"]["consumer_lag"] == {f"{prefix}-diag": 0, f"{prefix}-diag-load": 0}
+        assert body["checks"]["tasks"]["ok"]
+        for port in ports.values():
+            assert _get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+            assert _get(f"http://127.0.0.1:{port}/health")[0] == 404  # not a catch-all any more
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()

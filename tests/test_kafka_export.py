@@ -114,3 +114,75 @@ async def test_envelope_format(kafka, nc, nats_config, prefix, topology):
     records = await _read_all(kafka, f"{prefix}env.kv.events", 3)
     env = json.loads(records[0].value)
     assert env["subject"] == "kv.events.m.pod%2E1" and env["payload"]["pod"] == "pod.1" and env["stream_seq"] == 1
+
+
+def test_security_options_validate_and_hide_the_password():
+    import ssl
+
+    import certifi
+
+    from consumers.kafka_export import KafkaSecurity
+
+    sec = KafkaSecurity(protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", username="u", password="hunter2",
+                        cafile=certifi.where())
+    args = sec.producer_args()
+    assert args["security_protocol"] == "SASL_SSL" and args["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert args["sasl_plain_username"] == "u" and args["sasl_plain_password"] == "hunter2"
+    assert isinstance(args["ssl_context"], ssl.SSLContext) and args["ssl_context"].verify_mode == ssl.CERT_REQUIRED
+    cfg = KafkaExportConfig(bootstrap="b:9093", subjects=("kv.events.>",), security=sec)
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(sec)
+    assert KafkaSecurity().producer_args() == {"security_protocol": "PLAINTEXT"}
+    for bad in (dict(protocol="TLS"), dict(protocol="SASL_SSL", username="u", password="p"),
+                dict(protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", username="u")):
+        with pytest.raises(ValueError):
+            KafkaSecurity(**bad)
+
+
+def test_cli_sasl_without_password_is_one_line(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "INFERNEX_KAFKA_PASSWORD"}
+    r = subprocess.run([sys.executable, "-m", "infernex.cli", "export", "kafka", "--bootstrap", "127.0.0.1:9",
+                        "--security-protocol", "SASL_SSL", "--sasl-mechanism", "PLAIN", "--sasl-username", "u"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "$INFERNEX_KAFKA_PASSWORD" in lines[0], r.stderr
+
+
+async def test_export_metrics_and_health(kafka, nc, nats_config, prefix, topology):
+    import aiohttp
+
+    from consumers.health import Health, bound_port, serve
+    from prometheus_client import CollectorRegistry
+
+    js = nc.jetstream()
+    await _publish(js, prefix, range(5))
+    registry = CollectorRegistry()
+    health = Health("kafka-export", expect=("nats", "consumer_lag", "kafka"))
+    cfg = KafkaExportConfig(bootstrap=kafka, subjects=("kv.events.>",), topic_prefix=prefix + "h", durable="hx")
+    exporter = KafkaExporter(cfg, nats_config, registry=registry, health=health)
+    runner = await serve(health, 0, host="127.0.0.1", registry=registry)
+    base = f"http://127.0.0.1:{bound_port(runner)}"
+    task = asyncio.create_task(exporter.run())
+    try:
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 30
+            status, body = 0, {}
+            while time.monotonic() < deadline:
+                async with s.get(base + "/readyz") as r:
+                    status, body = r.status, await r.json()
+                if status == 200 and exporter.count >= 5:
+                    break
+                await asyncio.sleep(0.2)
+            assert status == 200, body
+            assert body["checks"]["kafka"] == {"ok": True, "bootstrap": kafka}
+            assert all(v == 0 for v in body["checks"]["consumer_lag"]["consumer_lag"].values())
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+            assert f'infernex_kafka_exported_total{{topic="{prefix}h.kv.events"}} 5.0' in text
+    finally:
+        exporter.stop()
+        await asyncio.wait_for(task, 20)
+        await runner.cleanup()

@@ -217,3 +217,37 @@ async def test_simulator_control_api_is_a_scale_target(store):
     finally:
         await asyncio.to_thread(cluster.run, control.stop())
         await asyncio.to_thread(cluster.stop)
+
+
+async def test_current_replicas_follow_engine_announcements_on_the_bus(nc, topology, prefix):
+    """Real nats-server: engines announce themselves; the planner counts the live ones per pool and
+    role; a malformed announcement is dead-lettered and the feed goes on."""
+    from consumers.planner import announced_replicas, follow_announcements
+    from consumers import bus
+    from router.testing import wait_for
+    from schemas import EngineAnnouncement
+    from schemas import subjects as S
+    from streams.backends import AnnouncedBackends
+
+    js = nc.jetstream()
+    announced = AnnouncedBackends()
+    reg = CollectorRegistry()
+    sub = await follow_announcements(js, announced, prefix=prefix, topology=topology, registry=reg)
+    try:
+        now = time.time()
+        for pod, role, state in (("p0", "prefill", "up"), ("p1", "prefill", "up"), ("d0", "decode", "up"),
+                                 ("d1", "decode", "down"), ("x0", "decode", "up")):
+            a = EngineAnnouncement(pod=pod, url=f"http://{pod}", model="m", role=role, ts=now, state=state,
+                                   pool="pool-b" if pod == "x0" else "pool-a")
+            await bus.publish(js, S.with_prefix(prefix, S.engine_announce(pod)), a.to_json())
+        await bus.publish(js, S.with_prefix(prefix, S.engine_announce("bad")), b'{"pod": 3}')
+        assert await wait_for(lambda: len(announced.dump()) == 5, timeout=10)
+        assert announced_replicas(announced, "pool-a", "prefill") == 2
+        assert announced_replicas(announced, "pool-a", "decode") == 1  # d1 said down
+        assert announced_replicas(announced, "pool-c", "decode") is None  # never seen: unknown, not 0
+        assert await wait_for(lambda: (reg.get_sample_value("infernex_dead_letters_total", {
+            "stream": next(s.logical for s in topology if "announce" in s.logical or any(
+                "announce" in x for x in s.subjects)), "consumer": "planner-announcements",
+            "reason": "invalid"}) or 0) == 1, timeout=10)
+    finally:
+        await sub.unsubscribe()

@@ -4,11 +4,13 @@ pool, and ``tail`` showing the history of a wildcard that spans subjects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -40,6 +42,17 @@ def test_subject_intersection_and_history_filters():
 
 def cli(args, env, timeout=60):
     return subprocess.run(EXE + args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+async def run_cli(args, env):
+    """The CLI in this process (a thread: the commands run their own event loop), to spare a Python
+    start per command; ``tail`` (signal handlers) runs as a real process."""
+    from typer.testing import CliRunner
+
+    from infernex.cli import app
+
+    res = await asyncio.to_thread(CliRunner().invoke, app, args, env=env)
+    return SimpleNamespace(returncode=res.exit_code, stdout=res.stdout, stderr=res.stderr)
 
 
 async def pub(js, prefix, subject, event):
@@ -107,7 +120,7 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     env, rids = history
     rid = rids["agg"][0]
 
-    r = cli(["replay", "explain", rid, "--json", "--profile", "least-load"], env)
+    r = await run_cli(["replay", "explain", rid, "--json", "--profile", "least-load"], env)
     assert r.returncode == 0, r.stderr
     ex = json.loads(r.stdout)
     assert ex["reproduced"] and ex["differences"] == []
@@ -118,25 +131,33 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     assert ex["prefix"]["per_pod"]["a"] == {"recorded": 0, "index_at_t": 0}
     assert [f["pod"] for f in ex["findings"]] == ["a"] and ex["findings"][0]["severity"] == "warning"
     assert ex["backends"]["a"]["health"] == "warning" and ex["backends"]["a"]["cpu_util"] == 0.4
+    # the state rebuilt from history at that instant agrees with what the router read
+    assert all("history_differs" not in b for b in ex["backends"].values())
     assert ex["other_profile"]["profile"] == "least-load" and ex["other_profile"]["picked"] in ("a", "b")
 
-    r = cli(["replay", "explain", rid], env)
+    r = await run_cli(["replay", "explain", rid], env)
     assert r.returncode == 0, r.stderr
     if os.environ.get("INFERNEX_SHOW_EXPLAIN"):
         print(r.stdout)
     assert "reproduced exactly" in r.stdout and "best alternative a" in r.stdout and "hbm_ecc_burst" in r.stdout
 
-    r = cli(["replay", "decide", rid], env)
+    r = await run_cli(["replay", "decide", rid], env)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["reproduced"] and d["picked"] == "b"
+    body = tmp_path / "req.json"
+    body.write_text(json.dumps({"model": "m", "prompt": PROMPT}))
+    r = await run_cli(["replay", "decide", str(body), "--pool", "agg"], env)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)  # a new request against the pool's state at the end: b holds the prefix
+    assert d["picked"] == "b" and {c["pod"] for c in d["stages"][0]["candidates"]} == {"a", "b"}
 
-    r = cli(["replay", "explain", "no-such-request"], env)
+    r = await run_cli(["replay", "explain", "no-such-request"], env)
     assert r.returncode == 1 and "no routing decision" in r.stderr and "Traceback" not in r.stderr
 
     for args, want in ((["--pool", "agg"], 6), (["--pool", "other"], 3)):
         out = tmp_path / f"rep{want}"
-        r = cli(["replay", "report", "--out", str(out), *args], env)
+        r = await run_cli(["replay", "report", "--out", str(out), *args], env)
         assert r.returncode == 0, r.stderr
         md = (out / "report.md").read_text()
         c = _counts(md)
@@ -144,10 +165,10 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
         pods = 2 if want == 6 else 1
         assert c["EngineAnnouncement"] == pods and c["DeviceTelemetry"] == pods
         assert c.get("Diagnosis", 0) == (1 if want == 6 else 0)
-    r = cli(["replay", "report", "--out", str(tmp_path / "x"), "--role", "nonsense"], env)
+    r = await run_cli(["replay", "report", "--out", str(tmp_path / "x"), "--role", "nonsense"], env)
     assert r.returncode == 2 and "--role must be one of" in r.stderr
 
-    r = cli(["replay", "state", "--pool", "other"], env)
+    r = await run_cli(["replay", "state", "--pool", "other"], env)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["pods"]) == {"c"}
 
@@ -156,3 +177,53 @@ async def test_explain_decide_report_and_tail(history, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert sum("RequestRecord" in ln for ln in lines) == 9 and sum("RoutingDecision" in ln for ln in lines) == 9
+
+
+def test_incident_report_links_decisions_worth_explaining():
+    from consumers.replay import ReplayMsg
+    from infernex.incident import ReplayState, report_markdown
+    from schemas import RequestRecord, RoutingDecision
+
+    st = ReplayState(pool="agg")
+    msgs = []
+    for i, (best, chosen, status, pool) in enumerate([(4, 0, "ok", "agg"), (0, 0, "ok", "agg"),
+                                                      (0, 0, "error", "agg"), (4, 0, "ok", "other")]):
+        rid = f"r{i}"
+        d = RoutingDecision(request_id=rid, ts=100.0 + i, pool=pool, model="m", profile="kv-aware", picked="a")
+        r = RequestRecord(request_id=rid, ts=100.0 + i, pool=pool, model="m", pods=["a"], best_overlap_blocks=best,
+                          chosen_overlap_blocks=chosen, status=status, http_status=200 if status == "ok" else 502)
+        msgs += [ReplayMsg(100.0 + i, "ROUTER", 2 * i + 1, S.router_decisions(pool), d.to_json()),
+                 ReplayMsg(100.0 + i, "ROUTER", 2 * i + 2, S.router_requests(pool), r.to_json())]
+    st.apply_many(msgs)
+    md = report_markdown(st, None, None)
+    section = md.split("## Routing decisions to look at", 1)[1].split("##", 1)[0]
+    assert "`infernex replay explain r0`" in section and "`infernex replay explain r2`" in section
+    assert "r1`" not in section and "r3" not in md  # an ordinary request, and another pool's
+
+
+def test_scope_narrows_subjects_and_judges_messages():
+    from consumers.replay_scope import PodMeta, Scope, keep_message
+    from schemas import EngineMetrics, RequestRecord, ScalingHint
+
+    sc = Scope(pool="agg", role="pd")
+    assert sc.subjects(["router.>", "autoscale.hints.>", "kv.events.>", "engine.>"]) == [
+        "router.requests.agg", "router.decisions.agg", "autoscale.hints.agg.prefill", "autoscale.hints.agg.decode",
+        "kv.events.>", "engine.>"]
+    assert Scope(model="m").subjects(["kv.events.>"]) == ["kv.events.m.>"]
+    metas = {"p1": PodMeta("agg", "m", "prefill", "n1", ("0",)), "a1": PodMeta("agg", "m", "aggregated", "n1", ("1",)),
+             "o1": PodMeta("other", "m", "decode", "n2", ("0",))}
+    em = EngineMetrics(pod="p1", model="m", ts=1.0, num_requests_running=0, num_requests_waiting=0,
+                       kv_cache_usage_perc=0).to_json()
+    assert keep_message(sc, S.engine_metrics("p1"), em, metas)
+    assert not keep_message(sc, S.engine_metrics("a1"), em, metas)  # aggregated, not PD
+    assert not keep_message(sc, S.engine_metrics("o1"), em, metas)  # another pool
+    assert not keep_message(sc, S.engine_metrics("unknown"), em, metas)
+    assert keep_message(sc, S.device_telemetry("n1", "0"), b"{}", metas)  # p1's device
+    assert not keep_message(sc, S.device_telemetry("n1", "1"), b"{}", metas)
+    rec = RequestRecord(request_id="r", ts=1.0, pool="agg", model="m", role="pd").to_json()
+    assert keep_message(sc, S.router_requests("agg"), rec, metas)
+    agg_rec = RequestRecord(request_id="r", ts=1.0, pool="agg", model="m").to_json()
+    assert not keep_message(sc, S.router_requests("agg"), agg_rec, metas)
+    hint = ScalingHint(pool="agg", role="aggregated", ts=1.0, current=1, desired=2, reason="x").to_json()
+    assert not keep_message(sc, S.autoscale_hints("agg", "aggregated"), hint, metas)
+    assert keep_message(Scope(), S.engine_metrics("anything"), em, {})

@@ -1,8 +1,9 @@
 """Replay reproduces live routing decisions exactly.
 
 A live router (real nats-server, fake engines) decides 200 requests while engine load, device
-telemetry (utilisation and memory: the health score's cpu/mem terms) and device faults
-(warning and critical diagnoses, then resolutions) change under it, and KV events give some
+telemetry from simulated NPUs (utilisation and memory: the health score's cpu/mem terms) and
+device faults (an ECC burst and an HBM error code, diagnosed by the real diagnosis engine into
+warning and critical findings) change under it, and KV events give some
 prompts a cached prefix. Every decision is then read back from JetStream and re-run from what was
 recorded with it: the scores per scorer, totals and picks must be float-equal. The state rebuilt
 from history once the load is quiet must also equal the live router's view (device telemetry
@@ -25,9 +26,12 @@ from infernex.settings import Settings
 from router.app import RouterApp
 from router.config import RouterConfig
 from router.testing import FakeEngine, wait_for
-from schemas import BlockStored, DeviceTelemetry, Diagnosis, EngineAnnouncement, EngineMetrics, KvEventBatch
+from schemas import BlockStored, EngineAnnouncement, EngineMetrics, KvEventBatch
 from schemas import subjects as S
+from simulator.devices import SimulatedNode
 from simulator.tokenizer import SimpleTokenizer
+from streams.clock import ManualClock
+from streams.diagnosis import DiagnosisEngine, build_ruleset
 
 PODS = ("a", "b", "c", "d")
 N = 200
@@ -52,7 +56,7 @@ async def test_two_hundred_live_decisions_replay_float_equal(nats_config, topolo
         now = time.time()
         for e in engines:
             await pub(js, prefix, S.engine_announce(e.pod), EngineAnnouncement(
-                pod=e.pod, url=e.url, model="m", ts=now, node="n1", devices=[f"npu{e.pod}"], ttl_s=3600))
+                pod=e.pod, url=e.url, model="m", ts=now, node="n1", devices=[str(PODS.index(e.pod))], ttl_s=3600))
         assert await wait_for(lambda: len(app.state.snapshot()) == 4, timeout=15)
         tok = SimpleTokenizer()
         for j, pod in enumerate(("b", "c")):  # prefixes 0 and 1 cached on b and c
@@ -60,25 +64,26 @@ async def test_two_hundred_live_decisions_replay_float_equal(nats_config, topolo
             await pub(js, prefix, S.kv_events("m", pod), KvEventBatch(pod=pod, model="m", seq=0, ts=now, events=[
                 BlockStored(block_hashes=[100 * (j + 1) + k for k in range(4)], token_ids=ids, block_size=16)]))
 
+        # simulated NPUs (device i runs pod PODS[i]) with faults, diagnosed by the real engine: a
+        # single-bit ECC burst on a's device (warning), an HBM uncorrectable-error code on d's (critical)
+        sim = SimulatedNode("n1", 4, "npu", seed=5, pods={str(i): [p] for i, p in enumerate(PODS)}, load=0.7)
+        sim.inject(0, "hbm_ecc_burst", 30, 40, rate_per_s=40)
+        sim.inject(3, "error_code", 30, 40, code="0x80E01801")
+        diag_clock = ManualClock(now)
+        diag = DiagnosisEngine(build_ruleset(), diag_clock)
+
         async def churn(step: int) -> None:
             t = time.time()
+            diag_clock.set(t)
             for pod in PODS:
                 await pub(js, prefix, S.engine_metrics(pod), EngineMetrics(
                     pod=pod, model="m", ts=t, num_requests_running=rng.randint(0, 40),
                     num_requests_waiting=rng.randint(0, 12), kv_cache_usage_perc=round(rng.random(), 3)))
-                await pub(js, prefix, S.device_telemetry("n1", f"npu{pod}"), DeviceTelemetry(
-                    node="n1", device=f"npu{pod}", kind="npu", source="sim", ts=t,
-                    utilization_pct=rng.randint(0, 100), memory_used_mb=rng.randint(1000, 60000),
-                    memory_total_mb=65536, health="OK"))
-            if step == 3:  # a warning on a's device, a critical one on d's
-                for dev, sev in (("npua", "warning"), ("npud", "critical")):
-                    await pub(js, prefix, S.diagnosis("n1", dev), Diagnosis(
-                        finding_id=f"f-{dev}", node="n1", device=dev, fault_mode="hbm_ecc_burst", severity=sev,
-                        status="open", action="SeparateNPU", summary="ECC", first_seen=t, last_seen=t))
-            if step == 7:
-                await pub(js, prefix, S.diagnosis("n1", "npud"), Diagnosis(
-                    finding_id="f-npud", node="n1", device="npud", fault_mode="hbm_ecc_burst", severity="critical",
-                    status="resolved", action="SeparateNPU", summary="ECC", first_seen=t, last_seen=t))
+            for sample in sim.sample(step * 10.0):  # ten simulated seconds per step, stamped now
+                sample = sample.model_copy(update={"ts": t})
+                await pub(js, prefix, S.device_telemetry("n1", sample.device), sample)
+                for d in diag.observe(sample):
+                    await pub(js, prefix, S.diagnosis("n1", sample.device), d)
 
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> str:

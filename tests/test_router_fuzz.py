@@ -36,11 +36,11 @@ MODEL = "sim"
 class RouterThread:
     """A RouterService on its own event loop in a thread, for synchronous Hypothesis tests."""
 
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, index=None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.svc = RouterService(cfg)
+        self.svc = RouterService(cfg, index=index)
         self.url = asyncio.run_coroutine_threadsafe(self.svc.start("127.0.0.1", 0), self.loop).result(10)
         self.port = int(self.url.rsplit(":", 1)[1])
 
@@ -50,15 +50,23 @@ class RouterThread:
         self.thread.join(5)
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["round-robin", "pd-kv-aware"])
+def served(request):
+    # round-robin over two aggregated engines; PD with prefix-aware scoring (the tokenizer and the
+    # KV index read every prompt) over a prefill and a decode engine
+    pd = request.param.startswith("pd-")
+    roles = ("kv_producer", "kv_consumer") if pd else ("aggregated", "aggregated")
     specs = [EngineSpec(EngineConfig(engine_id=f"e{i}", served_model_name=MODEL, num_gpu_blocks=512, block_size=16,
-                                     max_model_len=512), kv_events=False) for i in range(2)]
+                                     max_model_len=512, role=roles[i]), kv_events=False) for i in range(2)]
     cluster = SimCluster(specs, time_scale=200).start()
-    backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL, loras=["ad1"] if i == 0 else [])
+    backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL, loras=["ad1"] if i == 0 else [],
+                              role=("prefill", "decode")[i] if pd else "aggregated", group="g" if pd else None)
                 for i, h in enumerate(cluster.engines)]
-    r = RouterThread(RouterConfig(strategy="round-robin", backends=backends, bus=False, records=False,
-                                  read_timeout_s=10, request_timeout_s=5))
+    from streams.clock import SystemClock
+    from streams.kv_index import KvIndex
+
+    r = RouterThread(RouterConfig(strategy=request.param, backends=backends, bus=False, records=False,
+                                  read_timeout_s=10, request_timeout_s=5), index=KvIndex(SystemClock()))
     try:
         yield r
     finally:
@@ -151,8 +159,9 @@ def fuzz_post(port: int, path: str, seen: dict) -> None:
         status, headers, data = call(port, "POST", path, body)
         seen[status] = seen.get(status, 0) + 1
         assert status < 500, (path, body[:300], status, data[:300])
-        if status >= 400 and "application/json" in headers.get("content-type", "") and status != 404:
-            assert_openai_error(status, data)  # (a 404 may be the simulator's, passed through)
+        if status >= 400:  # the router's own errors and the engines' alike
+            assert headers.get("content-type") == "application/json", headers
+            assert_openai_error(status, data)
     one()
 
 
@@ -201,6 +210,8 @@ def test_named_bad_inputs_are_400(served, body, param):
 
 
 def test_unknown_lora_adapter_is_404_not_503(served):
+    if not any(f.type_name == "lora-filter" for p in served.svc.router.strategy.profiles.values() for f in p.filters):
+        pytest.skip("this strategy does not filter by LoRA adapter")
     status, headers, data = call(served.port, "POST", "/v1/chat/completions",
                                  json.dumps({**CHAT, "lora": "no-such-adapter"}).encode())
     assert status == 404 and "retry-after" not in headers
@@ -375,3 +386,16 @@ async def test_migrated_chat_stream_sends_the_role_delta_once():
     finally:
         await svc.stop()
         await asyncio.to_thread(cluster.stop)
+
+
+def test_engine_errors_come_back_openai_shaped(served):
+    """vLLM answers errors with an int ``code``; the client gets a string one, the engine's message kept."""
+    status, headers, data = call(served.port, "POST", "/v1/chat/completions", json.dumps(
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode())
+    assert status == 400 and headers["content-type"] == "application/json"
+    err = assert_openai_error(status, data)
+    assert err["message"] == "only text content parts are supported" and err["code"] == "invalid_request"
+    # an endpoint the simulated engine does not have: its plain 404 becomes an OpenAI error too
+    status, headers, data = call(served.port, "POST", "/v1/embeddings", json.dumps({"model": MODEL, "input": "x"}).encode())
+    assert status == 404 and assert_openai_error(status, data)["code"] == "not_found"
+    assert headers["x-infernex-backend"] in ("e0", "e1")

@@ -66,6 +66,13 @@ def test_filters(type_name, params, backends, req, ctx_kw, expect):
     # cost = scale*max(prefill - credit*overlap, 0) + decode; a: 4+0 ->4-4=0, +4 = 4; b: 4 + 4 = 8
     ("dynamo-cost-scorer", {}, [B("a"), B("b")], {"request_blocks": 4, "block_size": 16, "overlap": {"a": 4}},
      [1.0, 0.0]),
+    # prefill work = pending + uncached prompt tokens (+ one block): least / own
+    ("prefill-load-scorer", {}, [B("a"), B("b")], {"block_size": 16, "prompt_tokens": 64, "overlap": {"b": 4}},
+     [16 / 80, 1.0]),
+    ("prefill-load-scorer", {}, [B("a"), B("b", pending_prefill_tokens=64)],
+     {"block_size": 16, "prompt_tokens": 64, "overlap": {"b": 4}}, [1.0, 1.0]),  # b's queue eats its cache win
+    ("prefill-load-scorer", {"queue_tokens": 100}, [B("a", waiting=2), B("b")], {"block_size": 16, "prompt_tokens": 64},
+     [80 / 280, 1.0]),
 ])
 def test_scorers(type_name, params, backends, ctx_kw, expect):
     s = build_plugin(type_name, parameters=params)
@@ -328,6 +335,10 @@ def test_load_epoch_reuses_load_only_columns_until_it_changes():
     bs[1].active_tokens = 1000
     d = r.decide(RoutingRequest(model="m", prompt_tokens=16), bs, load_epoch=8)
     assert dict(zip(d.stages[0].pods, d.stages[0].columns["active"]))["b"] == 0.0
+    r2 = Router("kv-aware-prefill", seed=1)
+    bs[1].pending_prefill_tokens = 1000
+    d = r2.decide(RoutingRequest(model="m", prompt_tokens=16), bs, load_epoch=8)
+    assert dict(zip(d.stages[0].pods, d.stages[0].columns["prefill-load"]))["b"] == pytest.approx(32 / 1032)
 
 
 def test_a_prompt_of_whole_blocks_reuses_one_block_less_as_vllm():

@@ -22,8 +22,14 @@ import pytest
 
 from router.tokenize import PromptEncoder, find_model_tokenizer
 from simulator.hashing import BlockHasher
-from simulator.tokenizer import (HFTokenizer, RenderedChat, SimpleTokenizer, render_chat, request_to_ids,
-                                 simple_chat_template)
+from simulator.tokenizer import (
+    HFTokenizer,
+    RenderedChat,
+    SimpleTokenizer,
+    render_chat,
+    request_to_ids,
+    simple_chat_template,
+)
 
 FIX = Path(__file__).parent / "fixtures" / "tokenize"
 EXPECTED = json.loads((FIX / "expected.json").read_text(encoding="utf-8"))["cases"]
@@ -67,7 +73,7 @@ def test_chat_errors_are_value_errors(hf):
     with pytest.raises(ValueError, match="both"):
         request_to_ids(hf, "chat", {"messages": [{"role": "user", "content": "x"}],
                                     "continue_final_message": True})
-    with pytest.raises(ValueError, match="image_url"):
+    with pytest.raises(ValueError, match="only text content parts"):
         request_to_ids(hf, "chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     with pytest.raises(ValueError, match="boolean"):
         request_to_ids(hf, "completions", {"prompt": "x", "add_special_tokens": "yes"})
@@ -96,6 +102,8 @@ def test_auto_finds_the_models_tokenizer_or_says_once_it_uses_the_toy_one(tmp_pa
     assert find_model_tokenizer("acme/tiny") == snap / "tokenizer.json"
     assert find_model_tokenizer(str(FIX)) == FIX / "tokenizer.json"  # `vllm serve /path/to/model`
     assert find_model_tokenizer("acme/absent") is None
+    for odd in ("x" * 5000, "a\x00b", "~no-such-user-here/m"):  # no 500 for names no file system takes
+        assert find_model_tokenizer(odd) is None
     enc = PromptEncoder("auto")
     assert isinstance(enc.tokenizer_for("acme/tiny"), HFTokenizer)
     assert enc.encode("completions", {"model": "acme/tiny", "prompt": "hello"})[0] == BOS
@@ -103,6 +111,10 @@ def test_auto_finds_the_models_tokenizer_or_says_once_it_uses_the_toy_one(tmp_pa
         for _ in range(3):
             assert enc.encode("completions", {"model": "toy", "prompt": "a b"}) == SimpleTokenizer().encode("a b")
     assert sum("SimpleTokenizer" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr("router.tokenize.MAX_MODELS", 3)  # bounded: unknown names share one toy tokenizer
+    for i in range(10):
+        assert enc.encode("completions", {"model": f"typo-{i}", "prompt": "a b"}) == SimpleTokenizer().encode("a b")
+    assert len(enc._per_model) == 3
 
 
 def test_simple_tokenizer_memo_is_exact_and_prefix_sharing():

@@ -4,6 +4,13 @@ The table prints two rows per chip: ``NPU  Name | Health | Power(W) Temp(C)
 Hugepages-Usage`` and ``Chip [Device] | Bus-Id | AICore(%) Memory-Usage(MB)
 [HBM-Usage(MB)]`` (910B boards add the HBM column, 310P ones a Device column), then a
 process table. Values may be ``NA``.
+
+Device identity: npu-exporter names a chip by its physical id (``id``); npu-smi by NPU (card)
+and chip. On A2 servers (910B: one chip per NPU) the NPU id is the device. On A3 (two chips per
+NPU) the table's second header row reads ``Chip Phy-ID`` and each chip row carries its physical
+id, which becomes the device; a table without it names the chip ``<npu>-<chip>`` unless
+``chip_ids`` (PCIe bus id -> chip id, e.g. from :func:`chip_ids_from_exporter`) maps its Bus-Id,
+the one identifier both tools print.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class NpuSmiRow:
     aicore_pct: float | None
     memory: tuple[int, int] | None
     hbm: tuple[int, int] | None
+    phy_id: str | None = None
     processes: list[tuple[int, str, int]] = field(default_factory=list)
 
 
@@ -53,6 +61,7 @@ def parse_npu_smi_rows(text: str) -> tuple[str | None, list[NpuSmiRow]]:
     version = m.group(1) if m else None
     if not any("Health" in ln and "NPU" in ln for ln in lines):
         raise ParseError("not npu-smi info output: no 'NPU ... Health' header row")
+    has_phy = any("Phy-ID" in ln for ln in lines[:8])  # A3: "| Chip    Phy-ID | Bus-Id | ..."
     rows: list[NpuSmiRow] = []
     by_npu: dict[str, NpuSmiRow] = {}
     i = 0
@@ -85,9 +94,11 @@ def parse_npu_smi_rows(text: str) -> tuple[str | None, list[NpuSmiRow]]:
             pairs = _PAIR.findall(second)
             memory = (int(pairs[0][0]), int(pairs[0][1])) if pairs else None
             hbm = (int(pairs[1][0]), int(pairs[1][1])) if len(pairs) > 1 else None
-            row = NpuSmiRow(npu=first[0], chip=nxt[0].split()[0] if nxt[0] else "0", name=" ".join(first[1:]),
+            chip_cells = nxt[0].split()
+            phy = chip_cells[1] if has_phy and len(chip_cells) > 1 and chip_cells[1].isdigit() else None
+            row = NpuSmiRow(npu=first[0], chip=chip_cells[0] if chip_cells else "0", name=" ".join(first[1:]),
                             health=cells[1], power_w=power, temp_c=temp, bus_id=nxt[1], aicore_pct=aicore,
-                            memory=memory, hbm=hbm)
+                            memory=memory, hbm=hbm, phy_id=phy)
             rows.append(row)
             by_npu[row.npu] = row
             i += 2
@@ -98,15 +109,38 @@ def parse_npu_smi_rows(text: str) -> tuple[str | None, list[NpuSmiRow]]:
     return version, rows
 
 
-def parse_npu_smi(text: str, node: str, ts: float) -> list[DeviceTelemetry]:
+def chip_ids_from_exporter(text: str) -> dict[str, str]:
+    """PCIe bus id -> chip id (``id``) from an npu-exporter scrape."""
+    from consumers.parsers.npu_exporter import parse_npu_exporter
+
+    return {t.bus_id.upper(): t.device for t in parse_npu_exporter(text, "-", 0.0) if t.bus_id}
+
+
+def device_id(r: NpuSmiRow, chips_per_npu: int, chip_ids: dict[str, str] | None = None) -> str:
+    """The device name of a chip row, as npu-exporter names it where that can be known."""
+    if r.phy_id is not None:
+        return r.phy_id
+    if chip_ids:
+        hit = chip_ids.get(r.bus_id.upper())
+        if hit is not None:
+            return hit
+    if chips_per_npu == 1 and r.chip == "0":
+        return r.npu
+    return f"{r.npu}-{r.chip}"
+
+
+def parse_npu_smi(text: str, node: str, ts: float, chip_ids: dict[str, str] | None = None) -> list[DeviceTelemetry]:
     version, rows = parse_npu_smi_rows(text)
+    per_npu: dict[str, int] = {}
+    for r in rows:
+        per_npu[r.npu] = per_npu.get(r.npu, 0) + 1
     out = []
     for r in rows:
         used_total = r.hbm if r.hbm is not None and r.hbm[1] > 0 else r.memory
-        device = r.npu if r.chip == "0" else f"{r.npu}-{r.chip}"
+        device = device_id(r, per_npu[r.npu], chip_ids)
         out.append(DeviceTelemetry(
             node=node, device=device, kind="npu", source="npu-smi", ts=ts,
-            device_model=f"Ascend {r.name}" if r.name else None,
+            device_model=(r.name if r.name.startswith("Ascend") else f"Ascend {r.name}") if r.name else None,
             driver=version,
             temperature_c=r.temp_c,
             power_w=r.power_w,
@@ -114,5 +148,6 @@ def parse_npu_smi(text: str, node: str, ts: float) -> list[DeviceTelemetry]:
             memory_used_mb=float(used_total[0]) if used_total else None,
             memory_total_mb=float(used_total[1]) if used_total else None,
             health=r.health if r.health in _HEALTH else "UNKNOWN",
+            bus_id=r.bus_id or None,
         ))
     return out

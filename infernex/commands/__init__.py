@@ -9,6 +9,7 @@ to importing every module), but ``tests/test_cli_lazy.py`` fails until its line 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module under infernex.commands, one-line help of at most ~60 characters)
     "up": ("backbone", "Start embedded NATS with the streams applied (local)."),
+    "status": ("status", "One view: NATS, streams, lag, dead letters, router, index."),
     "streams": ("backbone", "JetStream topology: apply and inspect the streams."),
     "pub": ("backbone", "Validate a JSON event and publish it."),
     "tail": ("backbone", "Follow subjects and print events readably."),
@@ -29,4 +30,5 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gen-workload": ("workloads", "Write a seeded synthetic workload (Mooncake format)."),
     "trace-stats": ("workloads", "Validate a trace and print its shape."),
     "export": ("export", "Mirror JetStream subjects to external systems."),
+    "pd-sidecar": ("pd_sidecar", "Decode-side P/D sidecar for EPP mode."),
 }

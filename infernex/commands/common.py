@@ -19,7 +19,9 @@ NATS_HINT = ("is it running? start one with 'infernex up', or point at yours wit
 
 def fail(message: str, *, code: int = 1):
     """Print ``error: message`` as one line on stderr and exit with ``code`` (no traceback)."""
-    err.print(f"[red]error:[/red] {message}", markup=True)
+    from rich.markup import escape
+
+    err.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
 
 

@@ -40,14 +40,16 @@ def demo(
 ) -> None:
     """Start NATS, simulated engines, KV bridges, indexer and router; replay a trace slice under
     several strategies; print a comparison and write a report (PNG + HTML)."""
-    from infernex.demo import DEFAULT_TRACE, DemoConfig, run_demo
+    from infernex.demo import DEFAULT_TRACE, DemoConfig, run_demo, tally_warnings
 
     cfg = DemoConfig(trace=trace or DEFAULT_TRACE, requests=requests, offset=offset, time_scale=time_scale,
                      engines=engines, prefill=prefill, decode=decode, strategies=list(strategies),
                      max_output_tokens=max_output_tokens, out=out, services=services, incident=incident)
     if not cfg.trace.is_file():
-        console.print(f"[red]trace {cfg.trace} not found; pass --trace FILE[/red]")
-        raise typer.Exit(2)
+        from infernex.commands.common import fail
+
+        fail(f"trace {cfg.trace} not found; pass --trace FILE", code=2)
+    cfg.out.mkdir(parents=True, exist_ok=True)
 
     async def go():
         stop = asyncio.Event()
@@ -55,9 +57,11 @@ def demo(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: where is it waiting?
-        return await run_demo(cfg, console, stop)
+        return await run_demo(cfg, console, stop, tally)
 
-    result = asyncio.run(go())
+    with tally_warnings(cfg.out / "warnings.log") as tally:
+        result = asyncio.run(go())
+    console.print(tally.summary(cfg.out / "warnings.log"), soft_wrap=True, highlight=False)
     if not result["results"]:
         raise typer.Exit(1)
 

@@ -43,6 +43,7 @@ def diagnose(
     ctx: typer.Context,
     rules: Optional[list[Path]] = RULES_OPT,
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus /metrics here"),
+    metrics_host: Optional[str] = typer.Option(None, "--metrics-host", help="address the metrics port binds"),
     durable: Optional[str] = typer.Option(None, "--durable", help="durable consumer name"),
     from_start: bool = typer.Option(False, "--from-start", help="a new durable reads the stored telemetry too"),
 ) -> None:
@@ -55,6 +56,8 @@ def diagnose(
         update["rules_files"] = [*settings.diagnosis.rules_files, *rules]
     if metrics_port is not None:
         update["metrics_port"] = metrics_port
+    if metrics_host is not None:
+        update["metrics_host"] = metrics_host
     if durable:
         update["durable"] = durable
     if from_start:

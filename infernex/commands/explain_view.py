@@ -76,3 +76,5 @@ def render(console: Console, ex: dict[str, Any]) -> None:
     if o:
         same = "the same pick" if o["same_pick"] else "a different pick"
         console.print(f"under {o['profile']}: {o['status']}, picked {o['picked']} ({same}): {o['reason']}")
+        if o.get("note"):
+            console.print(f"  note: {o['note']}")

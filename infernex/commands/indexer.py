@@ -17,6 +17,7 @@ err = Console(stderr=True)
 def indexer(
     ctx: typer.Context,
     http_port: Optional[int] = typer.Option(None, "--http-port", help="HTTP port (0 = free; default from settings)"),
+    http_host: Optional[str] = typer.Option(None, "--http-host", help="address the HTTP API binds (default 127.0.0.1)"),
     durable: Optional[str] = typer.Option(None, "--durable", help="durable consumer name (one per instance)"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
                                             help="'simple' or a local tokenizer.json path, for prompt queries"),
@@ -31,7 +32,7 @@ def indexer(
 
     settings = settings_of(ctx)
     overrides = {k: v for k, v in {
-        "http_port": http_port, "durable": durable, "tokenizer": tokenizer,
+        "http_port": http_port, "http_host": http_host, "durable": durable, "tokenizer": tokenizer,
         "snapshot_every_events": snapshot_every_events, "snapshot_every_s": snapshot_every_s,
     }.items() if v is not None}
     cfg = settings.indexer.model_copy(update=overrides)
@@ -47,7 +48,11 @@ def indexer(
             raise typer.Exit(2) from None
 
     async def run() -> None:
-        service = IndexerService(cfg, settings.nats, registry=CollectorRegistry(), tokenizer=tok)
+        from streams.topology import build_topology
+
+        # the snapshot bucket follows topology.replicas like every stream
+        topo = build_topology(settings.topology, prefix=settings.nats.subject_prefix)
+        service = IndexerService(cfg, settings.nats, registry=CollectorRegistry(), tokenizer=tok, topology=topo)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, service.request_stop)

@@ -38,13 +38,13 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-async def _serve_health(port: Optional[int], registry, health) -> None:
-    """``/metrics``, ``/healthz`` and ``/readyz`` on ``--metrics-port`` (nothing without one)."""
+async def _serve_health(port: Optional[int], registry, health, host: str = "0.0.0.0") -> None:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``--metrics-host:--metrics-port`` (nothing without a port)."""
     if port is not None:
         from consumers.health import serve
 
-        await serve(health, port, registry=registry)
-        out.print(f"metrics and health on http://0.0.0.0:{port}/metrics, /healthz, /readyz")
+        await serve(health, port, host=host, registry=registry)
+        out.print(f"metrics and health on http://{host}:{port}/metrics, /healthz, /readyz")
 
 
 @bridge_app.command("vllm-kv")
@@ -61,6 +61,7 @@ def bridge_vllm_kv(
     max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
                                                help="serve /metrics, /healthz and /readyz here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
     max_frame_age: Optional[float] = typer.Option(None, "--max-frame-age", min=0,
                                                   help="not ready when no KV frame came for this many seconds "
                                                        "(default: the age is only reported; idle engines are quiet)"),
@@ -85,7 +86,7 @@ def bridge_vllm_kv(
                        dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding)
 
     async def go():
-        await _serve_health(metrics_port, registry, health)
+        await _serve_health(metrics_port, registry, health, metrics_host)
         stats = await run_bridge(cfg, settings.nats, registry=registry, stop=_stop_event(), health=health,
                                  max_frame_age_s=max_frame_age)
         out.print(f"bridge stopped: {stats.frames} frames, {stats.published} batches published, "
@@ -116,6 +117,7 @@ def collect_metrics(
     interval: float = typer.Option(5.0, "--interval", min=0.1, help="seconds between scrapes"),
     once: bool = typer.Option(False, "--once", help="scrape once, print the status, exit"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve /metrics, /healthz and /readyz here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Scrape vLLM /metrics and publish engine metric snapshots."""
     from prometheus_client import CollectorRegistry
@@ -132,7 +134,7 @@ def collect_metrics(
 
     async def go():
         if not once:
-            await _serve_health(metrics_port, registry, health)
+            await _serve_health(metrics_port, registry, health, metrics_host)
         nc = await bus.connect(settings.nats, name="infernex-metrics-collector")
         try:
             col = MetricsCollector(targets, nc.jetstream(), subject_prefix=settings.nats.subject_prefix,
@@ -168,7 +170,10 @@ def collect_devices(
     sim_kind: str = typer.Option("npu", "--sim-kind", help="(sim) npu or gpu"),
     seed: int = typer.Option(0, "--seed", help="(sim) random seed"),
     fault: list[str] = typer.Option([], "--fault", help="(sim) DEVICE:KIND@START[+DURATION], seconds from now"),
+    chip_ids_from: Optional[str] = typer.Option(None, "--chip-ids-from", help="(npu-smi) the node's npu-exporter "
+                                                "/metrics URL or file: name chips by its ids (A3)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve /metrics, /healthz and /readyz here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Read device telemetry in its real format and publish it."""
     from prometheus_client import CollectorRegistry
@@ -178,7 +183,7 @@ def collect_devices(
 
     sim = _sim_node(node, sim_devices, sim_kind, seed, fault) if source == "sim" else None
     try:
-        reader = make_reader(source, node, url, sim_node=sim)
+        reader = make_reader(source, node, url, sim_node=sim, chip_ids_from=chip_ids_from)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     from consumers.health import Check, Health, nats_check
@@ -189,7 +194,7 @@ def collect_devices(
 
     async def go():
         if not once:
-            await _serve_health(metrics_port, registry, health)
+            await _serve_health(metrics_port, registry, health, metrics_host)
         nc = await bus.connect(settings.nats, name="infernex-device-collector")
         try:
             col = DeviceCollector(reader, nc.jetstream(), node=node, source=source,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import sys
 import signal
 import time
 from typing import Optional
@@ -26,14 +29,52 @@ def _settings(ctx: typer.Context) -> Settings:
     return settings_of(ctx)
 
 
-def _open(settings: Settings):
+@contextlib.contextmanager
+def _quiet_stderr(on: bool):
+    """Silence file descriptor 2 (native libraries write there directly) while ``on``."""
+    if not on:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _open(settings: Settings, *, remote_ok: bool = True):
+    """The SLA store; while ``sla-sink`` owns the chDB directory, queries go through it over
+    NATS (``sla.query``), found by itself."""
     from consumers.sla_store import StoreError, open_store
+    from infernex.commands.common import fail
 
     try:
-        return open_store(settings.sla)
+        with _quiet_stderr(remote_ok and settings.sla.backend == "chdb"):  # chDB prints the lock error itself
+            return open_store(settings.sla)
     except StoreError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+        if not (remote_ok and settings.sla.backend == "chdb"):
+            fail(str(exc))
+    from consumers.sla_remote import RemoteQueryError, RemoteStore
+
+    try:
+        store = RemoteStore(settings.nats, settings.sla.database)
+    except ConnectionError as exc:
+        fail(f"the chDB store is locked by another process ({settings.sla.chdb_path}) and NATS is not reachable "
+             f"to query through sla-sink: {exc}")
+    try:
+        store.ping()
+    except RemoteQueryError as exc:
+        store.close()
+        fail(f"cannot open chDB at {settings.sla.chdb_path}: another process holds it, and {exc} (run "
+             f"'infernex sla-sink' with this NATS to query through it, or stop the process holding the directory)")
+    err.print(f"(querying through the running sla-sink over NATS: {settings.sla.chdb_path} is held by it)",
+              highlight=False)
+    return store
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
@@ -42,16 +83,17 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def _metrics_server(port: int, registry, health) -> None:  # noqa: ANN001
-    """``/metrics``, ``/healthz`` and ``/readyz`` on ``port`` (none for 0)."""
+async def _metrics_server(port: int, registry, health, host: str = "0.0.0.0") -> None:  # noqa: ANN001
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port`` (none for port 0)."""
     if port:
         from consumers.health import serve
 
-        await serve(health, port, registry=registry)
-        err.print(f"metrics and health on http://0.0.0.0:{port}/metrics, /healthz, /readyz")
+        await serve(health, port, host=host, registry=registry)
+        err.print(f"metrics and health on http://{host}:{port}/metrics, /healthz, /readyz")
 
 
-async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) -> None:
+async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int,
+                     metrics_host: str = "0.0.0.0") -> None:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -62,10 +104,10 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) 
 
     from consumers.health import Health, lag_check, nats_check, tasks_check
 
-    store = _open(settings)
+    store = _open(settings, remote_ok=False)
     registry = CollectorRegistry()
     health = Health("sla-sink", expect=("nats", "consumer_lag"))
-    await _metrics_server(metrics_port, registry, health)
+    await _metrics_server(metrics_port, registry, health, metrics_host)
     nc = await bus.connect(settings.nats, name="infernex-sla-sink")
     stop = asyncio.Event()
     _stop_on_signals(stop)
@@ -75,10 +117,19 @@ async def _sink_main(settings: Settings, with_planner: bool, metrics_port: int) 
                    registry=registry)
     tasks = [asyncio.create_task(sink.run(stop), name="sla-sink")]
     if with_planner:
+        from consumers.planner import follow_announcements
+        from streams.backends import AnnouncedBackends
+
+        announced = AnnouncedBackends(SystemClock())  # current replicas: what the engines announce
+        await follow_announcements(js, announced, prefix=prefix, registry=registry,
+                                   topology=build_topology(settings.topology, prefix))
         planner = PlannerService(store, settings.sla, clock=SystemClock(), publish=nats_publisher(js, prefix),
-                                 registry=registry, kube=_kube(settings))
+                                 registry=registry, kube=_kube(settings), announced=announced)
         tasks.append(asyncio.create_task(planner.run(stop), name="planner"))
     health.add("nats", nats_check(nc)).add("consumer_lag", lag_check(js, settings.sla.durable_prefix))
+    from consumers.sla_remote import serve_queries
+
+    await serve_queries(nc, store, prefix)  # `sla report` elsewhere queries through here
     health.add("tasks", tasks_check(lambda: tasks), live=True)
     err.print(f"sla-sink: {settings.sla.backend} database {settings.sla.database}; Ctrl-C to stop")
     try:
@@ -109,11 +160,12 @@ def sla_sink(
     ctx: typer.Context,
     planner: bool = typer.Option(False, "--planner", help="also run the planner in this process (shares chDB)"),
     metrics_port: int = typer.Option(0, "--metrics-port", help="serve Prometheus metrics on this port"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Consume request records, engine metrics, diagnoses and hints into the SLA store."""
     settings = _settings(ctx)
     try:
-        asyncio.run(_sink_main(settings, planner, metrics_port))
+        asyncio.run(_sink_main(settings, planner, metrics_port, metrics_host))
     except ConnectionError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
@@ -250,7 +302,7 @@ def rollup_cmd(
 
     settings = _settings(ctx)
     now = time.time()
-    store = _open(settings)
+    store = _open(settings, remote_ok=False)
     try:
         t = time.perf_counter()
         sla_queries.refresh_minutes(store, now - parse_duration(since), now, targets=settings.sla.targets)
@@ -271,7 +323,8 @@ def counts(ctx: typer.Context) -> None:
         store.close()
 
 
-async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> None:
+async def _planner_main(settings: Settings, once: bool, metrics_port: int,
+                        metrics_host: str = "0.0.0.0") -> None:
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -283,19 +336,29 @@ async def _planner_main(settings: Settings, once: bool, metrics_port: int) -> No
         raise typer.Exit(2)
     from consumers.health import Health, nats_check
 
-    store = _open(settings)
+    store = _open(settings, remote_ok=False)
     registry = CollectorRegistry()
     nc = await bus.connect(settings.nats, name="infernex-planner")
     try:
+        from consumers.planner import follow_announcements
+        from streams.backends import AnnouncedBackends
+        from streams.topology import build_topology
+
+        announced = AnnouncedBackends(SystemClock())  # current replicas: what the engines announce
+        prefix = settings.nats.subject_prefix
+        await follow_announcements(nc.jetstream(), announced, prefix=prefix, registry=registry,
+                                   topology=build_topology(settings.topology, prefix))
+        if once:
+            await asyncio.sleep(1.0)  # the last announcement of every engine arrives first
         planner = PlannerService(store, settings.sla, clock=SystemClock(),
-                                 publish=nats_publisher(nc.jetstream(), settings.nats.subject_prefix),
-                                 registry=registry, kube=_kube(settings))
+                                 publish=nats_publisher(nc.jetstream(), prefix),
+                                 registry=registry, kube=_kube(settings), announced=announced)
         if once:
             for h in await planner.tick():
                 console.print(f"{h.pool}/{h.role}: {h.current} -> {h.desired} ({h.mode}) {h.reason}")
             return
         health = Health("planner").add("nats", nats_check(nc))
-        await _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry, health)
+        await _metrics_server(metrics_port or settings.sla.planner.metrics_port, registry, health, metrics_host)
         stop = asyncio.Event()
         _stop_on_signals(stop)
         await planner.run(stop)
@@ -308,6 +371,7 @@ def planner(
     ctx: typer.Context,
     once: bool = typer.Option(False, "--once", help="one planning round, print the hints, exit"),
     metrics_port: int = typer.Option(0, "--metrics-port", help="serve infernex_desired_replicas here"),
+    metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
 ) -> None:
     """Publish replica hints for each PD pool from the SLA history (dry-run unless sla.planner.dry_run=false).
 
@@ -316,7 +380,7 @@ def planner(
     """
     settings = _settings(ctx)
     try:
-        asyncio.run(_planner_main(settings, once, metrics_port))
+        asyncio.run(_planner_main(settings, once, metrics_port, metrics_host))
     except ConnectionError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import yaml
 
-from router.epp.protocol import DESTINATION, LB_NAMESPACE
+from router.epp.protocol import DESTINATION, LB_NAMESPACE, SUBSET, SUBSET_NAMESPACE
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_SET_METADATA = "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config"
 _HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
@@ -63,19 +64,27 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], http2: bool = F
 
 def envoy_config(port: int, admin_port: int, epp: tuple[str, int], *, fallback: list[tuple[str, int]],
                  body_mode: str = "FULL_DUPLEX_STREAMED", failure_mode_allow: bool = False,
-                 timeout_s: float = 5.0, epp_enabled: bool = True) -> dict:
+                 timeout_s: float = 5.0, epp_enabled: bool = True, subset: list[str] | None = None) -> dict:
     """Envoy's bootstrap. ``body_mode``: ``FULL_DUPLEX_STREAMED`` (GIE's choice) or ``BUFFERED``.
-    ``epp_enabled=False``: no ext_proc at all, requests go to ``fallback`` (the direct baseline)."""
+    ``epp_enabled=False``: no ext_proc at all, requests go to ``fallback`` (the direct baseline).
+    ``subset``: endpoints Envoy tells the picker to choose from (``envoy.lb.subset_hint`` metadata,
+    set by a set_metadata filter and forwarded to ext_proc)."""
     mode = {"request_header_mode": "SEND", "response_header_mode": "SKIP", "request_body_mode": body_mode,
             "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if body_mode == "FULL_DUPLEX_STREAMED":
         mode["request_trailer_mode"] = "SEND"  # Envoy requires it with full-duplex bodies
     filters = []
+    md_opts: dict = {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}}
+    if subset is not None:
+        filters.append({"name": "envoy.filters.http.set_metadata", "typed_config": {
+            "@type": _SET_METADATA, "metadata": [{"metadata_namespace": SUBSET_NAMESPACE,
+                                                  "value": {SUBSET: list(subset)}}]}})
+        md_opts["forwarding_namespaces"] = {"untyped": [SUBSET_NAMESPACE]}
     if epp_enabled:
         filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": _EXT_PROC, "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": f"{timeout_s}s"},
             "failure_mode_allow": failure_mode_allow, "processing_mode": mode, "message_timeout": f"{timeout_s}s",
-            "metadata_options": {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}}}})
+            "metadata_options": md_opts}})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}})
     routes = []
     if epp_enabled:
@@ -117,7 +126,7 @@ class EnvoyProcess:
         self.admin = "http://127.0.0.1:{}".format(config["admin"]["address"]["socket_address"]["port_value"])
         self.log = Path(self._dir.name) / "envoy.log"
 
-    def start(self, timeout: float = 20.0) -> "EnvoyProcess":
+    def start(self, timeout: float = 20.0) -> EnvoyProcess:
         path = Path(self._dir.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(self.config))
         self.proc = subprocess.Popen(
@@ -154,7 +163,7 @@ class EnvoyProcess:
                 self.proc.wait(5)
         self._dir.cleanup()
 
-    def __enter__(self) -> "EnvoyProcess":
+    def __enter__(self) -> EnvoyProcess:  # noqa: PYI034 - start() returns self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

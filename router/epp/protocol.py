@@ -13,7 +13,7 @@ Facts (GIE ``docs/proposals/004-endpoint-picker-protocol``, llm-d inference sche
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import msgspec

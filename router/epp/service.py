@@ -8,7 +8,9 @@ One ext_proc stream per HTTP request. Body modes:
 - ``FULL_DUPLEX_STREAMED`` (what GIE gateways use; no size limit): headers and body chunks arrive
   without waiting; the EPP holds them until the body ends, then answers the headers with the pick
   and hands the body back in chunks.
-Requests without a body (``GET /v1/models``) are routed to the least-loaded healthy endpoint.
+Requests without a body (``GET /v1/models``) are routed to the least-loaded healthy endpoint, and
+so are requests in ``STREAMED`` mode (Envoy forwards their headers before the body arrives, so a
+body-aware pick is impossible there; a warning says so once).
 
 While the stream lives the pick counts as in flight on its backend (the router's own in-flight and
 active-token counters, which its load scorers read); the stream ends when Envoy is done with the
@@ -20,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import msgspec
@@ -31,6 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp import protocol as P
+from router.server import ApiError
 from router.types import BackendState, Decision
 
 if TYPE_CHECKING:
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 _HEALTH_NAMES = ("", "liveness", "readiness", P.SERVICE)
 
 
@@ -47,6 +52,7 @@ class _Req:
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None
     duplex: bool = False
+    streamed: bool = False  # STREAMED: the headers go upstream before the body reaches us
     response_duplex: bool = False
     body: bytearray = field(default_factory=bytearray)
     picked: list[tuple[BackendState, int, int]] = field(default_factory=list)  # (backend, tokens, prefill)
@@ -60,12 +66,13 @@ class _Reject(Exception):
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     """The ext_proc servicer. ``fallbacks``: how many next-best endpoints follow the pick."""
 
-    def __init__(self, service: "RouterService", *, fallbacks: int = 0):
+    def __init__(self, service: RouterService, *, fallbacks: int = 0):
         self.svc = service
         self.fallbacks = fallbacks
         self._ep: dict[str, str] = {}
         self.picks = 0
         self.rejects: dict[int, int] = {}
+        self._warned_streamed = False
 
     # -- helpers ---------------------------------------------------------------------------
     def endpoint(self, b: BackendState) -> str:
@@ -114,8 +121,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             raise self._reject(400, "request body must be a JSON object", "invalid_json", "invalid_request_error")
         path = r.headers.get(":path", "")
         kind = "chat" if ("messages" in body or path.startswith("/v1/chat")) else "completions"
-        from router.server import ApiError
-
         try:
             svc._check_body(kind, body)
         except ApiError as e:
@@ -156,13 +161,29 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         b = min(ok, key=lambda b: (b.inflight + b.waiting, b.pod))
         return P.routing_mutation([self.endpoint(b)], None)
 
+    def _served(self, r: _Req, served: str) -> None:
+        """The proxy reports (``x-gateway-destination-endpoint-served``) that a fallback served the
+        request: its in-flight count moves there from the primary pick."""
+        if not r.picked:
+            return
+        b, n, pre = r.picked[-1]
+        if self.endpoint(b) == served:
+            return
+        other = next((x for x in self.svc.state.snapshot() if self.endpoint(x) == served), None)
+        if other is None:
+            return
+        st = self.svc.state
+        st.finished(b, n, pre)
+        st.started(other, n, pre)
+        r.picked[-1] = (other, n, pre)
+
     def _release(self, r: _Req) -> None:
         for b, n, pre in r.picked:
             self.svc.state.finished(b, n, pre)
         r.picked.clear()
 
     # -- the stream ------------------------------------------------------------------------
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:
         r = _Req()
         limit = self.svc.cfg.max_body_bytes
         try:
@@ -172,10 +193,16 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     if req.HasField("protocol_config"):
                         pc = req.protocol_config
                         r.duplex = pc.request_body_mode == _DUPLEX
+                        r.streamed = pc.request_body_mode == _STREAMED
                         r.response_duplex = pc.response_body_mode == _DUPLEX
                     r.headers = P.header_map(req.request_headers)
                     r.subset = P.subset_hint(req)
-                    if req.request_headers.end_of_stream:
+                    if r.streamed and not self._warned_streamed:
+                        self._warned_streamed = True
+                        log.warning("ext_proc request_body_mode STREAMED: the pick cannot read the body (the "
+                                    "headers are forwarded first); routing by load only. Use FULL_DUPLEX_STREAMED "
+                                    "or BUFFERED")
+                    if req.request_headers.end_of_stream or r.streamed:
                         try:
                             common, md = self.pick(r)
                         except _Reject as rej:
@@ -191,8 +218,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         yield self._reject(413, f"request body exceeds {limit} bytes", "body_too_large",
                                            "invalid_request_error").response
                         return
+                    if r.streamed:  # already routed on the headers; pass every chunk on
+                        yield P.body_response()
+                        continue
                     if not rb.end_of_stream:
-                        if not r.duplex:  # STREAMED / BUFFERED_PARTIAL: every chunk wants an answer
+                        if not r.duplex:  # BUFFERED_PARTIAL: every chunk wants an answer
                             yield P.body_response()
                         continue
                     try:
@@ -218,6 +248,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                             yield m
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif which == "response_headers":
+                    served = P.served_endpoint(req)
+                    if served is not None:
+                        self._served(r, served)
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
                 elif which == "response_body":
                     rb = req.response_body
@@ -235,9 +268,17 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
 
 class EppServer:
-    """The gRPC server: the ext_proc service and the gRPC health service on one port."""
+    """The gRPC server: the ext_proc service and the gRPC health service on one port.
 
-    def __init__(self, service: "RouterService", *, fallbacks: int = 0):
+    Health as GIE's EPP reports it: ``liveness`` SERVING while the process answers; ``readiness``
+    and the ext_proc service name SERVING while the router is not draining and knows at least one
+    usable backend (the router's own ``/ready`` rule), re-checked every ``ready_every_s``."""
+
+    def __init__(self, service: RouterService, *, fallbacks: int = 0, ready_every_s: float = 1.0):
+        self.svc = service
+        self.ready_every_s = ready_every_s
+        self._ready: bool | None = None
+        self._task: asyncio.Task | None = None
         self.picker = EndpointPicker(service, fallbacks=fallbacks)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -252,27 +293,51 @@ class EppServer:
         if bound == 0:
             raise OSError(f"endpoint picker: cannot listen on {host}:{port}")
         await server.start()
-        for name in _HEALTH_NAMES:
-            r = self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-            if asyncio.iscoroutine(r):
-                await r
+        r = self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(r):
+            await r
         self.server, self.port = server, bound
+        await self.check_ready()
+        self._task = asyncio.create_task(self._watch_ready())
         return f"{host}:{bound}"
+
+    def is_ready(self) -> bool:
+        svc = self.svc
+        return not svc.draining and any(b.health != "critical" and not b.circuit_open for b in svc.state.snapshot())
+
+    async def check_ready(self) -> bool:
+        ready = self.is_ready()
+        if ready != self._ready:
+            self._ready = ready
+            await self.set_serving(ready)
+        return ready
+
+    async def _watch_ready(self) -> None:
+        while True:
+            await asyncio.sleep(self.ready_every_s)
+            await self.check_ready()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in _HEALTH_NAMES[2:]:
+        for name in ("", *_HEALTH_NAMES[2:]):
             r = self.health.set(name, status)
             if asyncio.iscoroutine(r):
                 await r
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
 
 
-async def start_epp(service: "RouterService", host: str, port: int, *, fallbacks: int = 0) -> EppServer:
+async def start_epp(service: RouterService, host: str, port: int, *, fallbacks: int = 0) -> EppServer:
     """Start the endpoint picker beside ``service`` (sharing its router, state and KV index)."""
     srv = EppServer(service, fallbacks=fallbacks)
     await srv.start(host, port)

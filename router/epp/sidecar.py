@@ -54,7 +54,7 @@ class PdSidecar:
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         await site.start()
-        h, p = site._server.sockets[0].getsockname()[:2]  # noqa: SLF001 - aiohttp exposes no public getter
+        h, p = site._server.sockets[0].getsockname()[:2]
         self.url = f"http://{h}:{p}"
         return self.url
 

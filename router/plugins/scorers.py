@@ -168,3 +168,38 @@ class DynamoCostScorer(Scorer):
 
     def score(self, req, cands, ctx):
         return _relative_low_is_good(self.costs(cands, ctx))
+
+
+class PrefillLoadParams(_P):
+    queue_tokens: float = Field(default=0.0, ge=0,
+                                description="prefill tokens counted per waiting request the engine reports "
+                                            "(requests other routers sent, which this router's bookkeeping misses)")
+
+
+@register
+class PrefillLoadScorer(Scorer):
+    """How soon this backend could start decoding the request: the prefill work it would have.
+
+    ``work = pending prefill tokens already routed there + the request's uncached tokens there
+    (prompt - cached prefix blocks x block size) + queue_tokens x waiting requests``; the score is
+    ``least work / work`` (1 for the least loaded, smoothly lower for the others), so a long
+    cached prefix and a short prefill queue pull together, and a hot backend whose queue would
+    cost more than its cache saves loses to an idle one.
+    """
+
+    type_name = "prefill-load-scorer"
+    Params = PrefillLoadParams
+    needs_overlap = True
+
+    def score(self, req, cands, ctx):
+        bs = ctx.block_size
+        prompt = ctx.prompt_tokens or ctx.request_blocks * bs
+        get = ctx.overlap.get if ctx.overlap else (lambda _p, _d=0: 0)
+        qt = self.params.queue_tokens
+        work = []
+        for b in cands:
+            uncached = prompt - get(b.pod, 0) * bs
+            work.append((b.pending_prefill_tokens if b.pending_prefill_tokens > 0 else 0)
+                        + (uncached if uncached > 0 else 0) + qt * b.waiting + bs)
+        lo = min(work)
+        return [lo / w for w in work]

@@ -24,7 +24,7 @@ import xxhash
 
 from schemas import DeviceTelemetry, Diagnosis, EngineMetrics
 from streams.clock import Clock, SystemClock
-from streams.diagnosis.rules import DeviceRules, RuleSet, build_ruleset
+from streams.diagnosis.rules import DeviceRules, RuleSet, build_ruleset, version_key
 from streams.health import DeviceRecord, HealthState
 
 SILENT = "device_silent"
@@ -252,8 +252,37 @@ class DiagnosisEngine:
                        entry.remediation, {"error_code": raw, "sources": ",".join(entry.source)},
                        for_s=entry.for_s, sticky_s=entry.clear_after_s))
 
-        # NVIDIA Xids (events since the last sample)
-        for xid in t.xid_errors:
+        # GPU memory errors from row remapping (the ECC counters are off in dcgm-exporter's defaults)
+        if rec.remap_unc_delta > 0:
+            rr_ = rules.remapped_rows_uncorrectable
+            add(Signal("gpu_rows_remapped_uncorrectable", rr_.severity, rr_.action,
+                       f"{rec.remap_unc_delta:g} row(s) remapped for uncorrectable memory errors",
+                       "an uncorrectable memory error hit the GPU: restart the job, then reset the GPU so the "
+                       "remapping takes effect",
+                       {"remapped_rows_added": rec.remap_unc_delta,
+                        "remapped_rows_uncorrectable": t.remapped_rows_uncorrectable},
+                       sticky_s=rr_.clear_after_s))
+        if t.row_remap_failure:
+            rf = rules.row_remap_failure
+            add(Signal("gpu_row_remap_failure", rf.severity, rf.action,
+                       "row remapping failed: the GPU has no spare memory rows left",
+                       "drain the node and have the GPU serviced (it can no longer repair memory errors)",
+                       {"row_remap_failure": True}))
+
+        # driver / firmware below the minimum validated for the model
+        vr = rules.versions
+        for what, have, need in (("driver", t.driver, vr.min_driver), ("firmware", t.firmware, vr.min_firmware)):
+            if have and need and version_key(have) < version_key(need):
+                add(Signal(f"{what}_outdated", vr.severity, vr.action,
+                           f"{what} {have} is older than {need}, the minimum for {model}",
+                           f"upgrade the {what} to {need} or later (drain the node first)",
+                           {what: have, f"min_{what}": need}))
+
+        # NVIDIA Xids: events in the sample, and changes of dcgm-exporter's last-Xid gauge
+        if rec.xid_cleared:  # back to 0: the GPU was reset; earlier Xids no longer hold
+            for mode in [m for m, (_, s) in st.sticky.items() if "xid" in s.evidence]:
+                del st.sticky[mode]
+        for xid in list(t.xid_errors) + rec.xid_events:
             entry = cat.lookup_xid(xid)
             sev = cat.severity_of(entry.level, entry.severity)
             add(Signal(entry.fault_mode, sev, entry.level, f"Xid {xid}: {entry.meaning}", entry.remediation,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import re
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -107,6 +108,15 @@ class LinkRule(_M):
     action: ActionLevel = "SubHealth"
 
 
+class VersionRule(_M):
+    """Driver / firmware below a minimum version (compared number by number, ``rc`` before a release)."""
+
+    min_driver: str | None = None
+    min_firmware: str | None = None
+    severity: Severity = "warning"
+    action: ActionLevel = "Observe"
+
+
 class DeviceRules(_M):
     """The rules that apply to one device model, after layering."""
 
@@ -116,6 +126,10 @@ class DeviceRules(_M):
     temperature_rise: TrendRule = Field(default_factory=TrendRule)
     stuck_idle: StuckIdleRule = Field(default_factory=StuckIdleRule)
     link_down: LinkRule = Field(default_factory=LinkRule)
+    # GPU memory errors when the ECC counters are not exported (dcgm-exporter's defaults): row remapping
+    remapped_rows_uncorrectable: EventRule = Field(default_factory=lambda: EventRule(action="ResetGPU"))
+    row_remap_failure: EventRule = Field(default_factory=lambda: EventRule(action="DrainNode", clear_after_s=0))
+    versions: VersionRule = Field(default_factory=VersionRule)
 
     @field_validator("thresholds")
     @classmethod
@@ -162,6 +176,8 @@ class HealthEntry(_M):
 
 class Catalog(_M):
     level_severity: dict[str, Severity]
+    level_remediation: dict[str, str] = Field(default_factory=dict, description="what to do at each handling "
+                                              "level, for codes without their own remediation")
     error_codes: dict[str, CodeEntry] = Field(default_factory=dict)
     ascend_levels: dict[str, list[str]] = Field(default_factory=dict)
     unknown_code_level: ActionLevel = "SubHealth"
@@ -195,21 +211,28 @@ class Catalog(_M):
         c = normalize_code(code)
         entry = self.error_codes.get(c)
         if entry is not None:
+            if not entry.remediation:
+                entry = entry.model_copy(update={"remediation": self.level_remediation.get(entry.level, "")})
             return entry
         level = self.code_levels.get(c)
         if level is None:
             return CodeEntry(fault_mode=f"ascend_code_{c}", meaning="Ascend error code not in the catalog",
-                             level=self.unknown_code_level)
+                             level=self.unknown_code_level,
+                             remediation=self.level_remediation.get(self.unknown_code_level, ""))
         return CodeEntry(fault_mode=f"ascend_code_{c}", meaning=f"Ascend error code with handling level {level}",
-                         level=level, source=["mindcluster-faultcode"])
+                         level=level, source=["mindcluster-faultcode"],
+                         remediation=self.level_remediation.get(level, ""))
 
     def lookup_xid(self, xid: int) -> XidEntry:
         entry = self.xids.get(int(xid))
         if entry is not None:
+            if not entry.remediation:
+                entry = entry.model_copy(update={"remediation": self.level_remediation.get(entry.level, "")})
             return entry
         u = self.unknown_xid
         return XidEntry(fault_mode=f"xid_{int(xid)}", meaning="NVIDIA Xid not in the catalog", level=u.level,
-                        severity=u.severity, clear_after_s=u.clear_after_s)
+                        severity=u.severity, clear_after_s=u.clear_after_s,
+                        remediation=self.level_remediation.get(u.level, ""))
 
 
 _LEVEL_RANK = ["NotHandle", "Observe", "SubHealth", "RestartRequest", "RestartBusiness", "FreeRestartNPU",
@@ -381,3 +404,12 @@ class DiagnosisConfig(_M):
         if isinstance(v, str):  # from the environment: comma-separated paths
             return [p.strip() for p in v.split(",") if p.strip()]
         return v
+
+
+_VERSION_PART = re.compile(r"\d+|[a-z]+")
+
+
+def version_key(v: str) -> tuple:
+    """``24.1.rc2`` < ``24.1.0`` < ``550.127.05``: numbers compare as numbers, a word (``rc``,
+    ``alpha``) sorts before any number at the same place (a pre-release comes before its release)."""
+    return tuple((1, int(p)) if p.isdigit() else (0, p) for p in _VERSION_PART.findall(v.lower()))

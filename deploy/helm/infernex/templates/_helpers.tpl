@@ -242,3 +242,35 @@ picks the pod over ext_proc). */}}
 {{- $img := dict "repository" $repo "tag" ($i.tag | default $top.tag) "pullPolicy" ($i.pullPolicy | default $top.pullPolicy) -}}
 {{- include "infernex.image" (dict "ctx" . "image" $img) -}}
 {{- end -}}
+
+{{/* The NATS users, one per component (nats.auth). */}}
+{{- define "infernex.natsUsers" -}}
+["router","indexer","sla-sink","planner","diagnosis","collector","bridge","streams"]
+{{- end -}}
+
+{{/* A component's NATS credentials and CA (nats.auth / nats.tls):
+(dict "ctx" $ "user" "indexer"). With an external NATS, credentials come only from nats.auth.existingSecret. */}}
+{{- define "infernex.natsClientEnv" -}}
+{{- $v := .ctx.Values.nats -}}
+{{- $fn := include "infernex.fullname" .ctx -}}
+{{- if and $v.auth.enabled (or $v.enabled $v.auth.existingSecret) }}
+- name: INFERNEX_NATS__USER
+  value: {{ .user | quote }}
+- name: INFERNEX_NATS__PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.auth.existingSecret | default (printf "%s-nats-auth" $fn) }}
+      key: {{ .user }}
+{{- end }}
+{{- if and $v.tls.enabled (or $v.enabled $v.tls.existingSecret $v.tls.caPem) }}
+- name: INFERNEX_NATS__TLS__CA_PEM
+  {{- if $v.tls.caPem }}
+  value: {{ $v.tls.caPem | quote }}
+  {{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.tls.existingSecret | default (printf "%s-nats-tls" $fn) }}
+      key: ca.crt
+  {{- end }}
+{{- end }}
+{{- end -}}

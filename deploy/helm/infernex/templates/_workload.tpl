@@ -66,6 +66,7 @@ spec:
             {{- end }}
           env:
             {{- include "infernex.env" $ctx | nindent 12 }}
+            {{- include "infernex.natsClientEnv" (dict "ctx" $ctx "user" .component) | nindent 12 }}
             {{- with .env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -88,8 +89,18 @@ spec:
           {{- include "infernex.containerSecurity" $ctx | nindent 10 }}
           volumeMounts:
             {{- include "infernex.configMount" $ctx | nindent 12 }}
+            {{- with .secretVolume }}
+            - name: {{ .name }}
+              mountPath: {{ .mountPath }}
+              readOnly: true
+            {{- end }}
       volumes:
         {{- include "infernex.configVolume" $ctx | nindent 8 }}
+        {{- with .secretVolume }}
+        - name: {{ .name }}
+          secret:
+            secretName: {{ .secretName }}
+        {{- end }}
         {{- if not .claim }}
         - name: infernex-data
           emptyDir: {}
