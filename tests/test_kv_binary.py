@@ -312,3 +312,16 @@ def test_the_contract_documents_both_encodings():
     layout = doc["components"]["schemas"]["KvEventBatchBinary"]["items"]
     assert layout[0] == {"const": kv_binary.BATCH_TAG} and len(layout) == len(kv_binary.WBatch.__struct_fields__) + 1
     assert len(doc["operations"]["kv.events.{model}.{pod}:Publish"]["messages"]) == 2
+
+
+def test_bridge_cli_runs_on_uvloop_and_refuses_an_unknown_encoding():
+    import uvloop
+    from typer.testing import CliRunner
+
+    from infernex.cli import app
+    from infernex.commands.common import fast_loop_runner
+
+    assert fast_loop_runner() is uvloop.run
+    r = CliRunner().invoke(app, ["bridge", "vllm-kv", "--endpoint", "tcp://127.0.0.1:1", "--pod", "p", "--model",
+                                 "m", "--encoding", "xml"])
+    assert r.exit_code == 2 and "binary or json" in r.output
