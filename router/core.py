@@ -57,6 +57,7 @@ class Router:
         self.strategy = load_strategy(strategy) if isinstance(strategy, str) else strategy
         self.rng = random.Random(seed)
         self.default_block_size = default_block_size
+        self.admission = False  # set by the server when admission control queues (see Ctx.admission)
         # columns of load-only scorers: (id(profile), id(scorer)) -> (load_epoch, ids of the candidates, column)
         self._columns: dict[tuple[int, int], tuple[int, list[int], list[float]]] = {}
 
@@ -86,7 +87,8 @@ class Router:
             overlap = overlaps_from_index(index_view, request, st.approximate) if st.needs_overlap else {}
         nblocks = len(request.keys) if (request.token_ids is None and request.keys) else request.prompt_tokens // bs
         ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, rng=self.rng, now=now,
-                  prompt_tokens=request.prompt_tokens, load_epoch=load_epoch, backends=backends)
+                  prompt_tokens=request.prompt_tokens, load_epoch=load_epoch, backends=backends,
+                  admission=self.admission)
         cands = list(backends)
         model = request.model
         best = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from streams.clock import Clock, SystemClock
@@ -12,6 +13,26 @@ class _Breaker:
     failures: int = 0
     open_until: float = 0.0
     half_open: bool = False
+
+
+def is_breaker_failure(exc: BaseException | str | None) -> bool:
+    """Whether an upstream outcome says the engine is broken (counts toward its breaker) rather
+    than merely slow. Broken: connection refused/reset, the answer cut off, an HTTP 5xx. Slow (not
+    counted): our read timeout, a connect that timed out (a CPU-starved engine not accepting yet),
+    a client that gave up. Accepts an exception or an outcome string (``connect``, ``http_503``,
+    ``slow``...)."""
+    if exc is None:
+        return False
+    if isinstance(exc, str):
+        return exc != "slow"
+    if isinstance(exc, (asyncio.TimeoutError, asyncio.CancelledError)):
+        return False
+    kind = getattr(exc, "kind", None)
+    if kind == "timeout":
+        return False
+    if kind == "connect" and "timed out" in str(exc):
+        return False
+    return True
 
 
 class CircuitBreakers:

@@ -31,7 +31,7 @@ from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEven
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
 from router.records import BackendCapture, RecordSink, decision_inputs, decision_json
-from router.resilience import RateLimiter
+from router.resilience import RateLimiter, is_breaker_failure
 from router.state import ClusterState
 from router.tokenize import PromptEncoder
 from router.types import BackendState, Decision, RoutingRequest
@@ -186,6 +186,7 @@ class RouterService:
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
         self.admission = Admission(cfg.admission)
+        self.router.admission = cfg.admission.enabled  # busy filters defer to the queue (issue 22)
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
         # request ids: a random 64-bit prefix per process and a counter (uuid4 costs a syscall each)
@@ -427,7 +428,8 @@ class RouterService:
                     up = await self.upstream.post(b.url, path, request.body, self._upstream_headers(b, headers))
                 except _UPSTREAM_ERRORS as e:
                     log.warning("connect to %s failed for %s: %s", b.pod, rid, type(e).__name__)
-                    self.state.breakers.failure(b.pod)
+                    if is_breaker_failure(e):  # slowness (a timed-out connect) is not a failure
+                        self.state.breakers.failure(b.pod)
                     exclude.add(b.pod)
                     continue
                 self.state.breakers.success(b.pod)
@@ -707,8 +709,9 @@ class RouterService:
                                    "upstream_unavailable")
                 body = nb
                 continue
-            # the backend failed; outcome is the reason
-            self.state.breakers.failure(target.pod)
+            # the backend failed; outcome is the reason ("slow": timed out, not counted as broken)
+            if is_breaker_failure(outcome):
+                self.state.breakers.failure(target.pod)
             flow.exclude.add(target.pod)
             if resp is not None and resp.prepared:
                 # mid-stream: migrate with what was generated so far
@@ -816,7 +819,8 @@ class RouterService:
             return kvp
         except (*_UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as e:
             log.warning("prefill on %s failed for %s: %s", pb.pod, flow.rid, type(e).__name__)
-            self.state.breakers.failure(pb.pod)
+            if is_breaker_failure(e):
+                self.state.breakers.failure(pb.pod)
             flow.exclude.add(pb.pod)
             flow.retries += 1
             self.metrics.retries.labels("prefill").inc()
@@ -837,15 +841,15 @@ class RouterService:
                 up = await self.upstream.post(b.url, flow.path, data, self._headers(flow, b))
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
-                return resp, "connect"
+                return resp, "connect" if is_breaker_failure(e) else "slow"
             if up.status >= 500 and resp is None:
                 await up.read()
                 return resp, f"http_{up.status}"
             if up.status >= 400 or not flow.stream:
                 try:
                     data = await up.read()
-                except _UPSTREAM_ERRORS:
-                    return resp, "read"
+                except _UPSTREAM_ERRORS as e:
+                    return resp, "read" if is_breaker_failure(e) else "slow"
                 if resp is not None:  # continuation refused mid-migration
                     await self._write_sse_error(resp, _upstream_message(data))
                     flow.done = True
@@ -895,7 +899,7 @@ class RouterService:
             except _UPSTREAM_ERRORS as e:
                 if not flow.done and not flow.recomputed:
                     log.warning("backend %s failed mid-stream for %s: %s", b.pod, flow.rid, type(e).__name__)
-                    return resp, "mid_stream"
+                    return resp, "mid_stream" if is_breaker_failure(e) else "slow"
             if flow.recomputed:
                 self.state.breakers.success(b.pod)
                 return resp, "recomputed"

@@ -27,6 +27,7 @@ class Ctx:
     prompt_tokens: int = 0
     load_epoch: int | None = None  # see Router.decide: lets load-only scorer columns be reused
     backends: Any = ()  # every backend the decision started from (filters that reason about whole PD groups)
+    admission: bool = False  # the router queues requests when backends are full (busy filters defer to it)
 
 
 class Plugin:

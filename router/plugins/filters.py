@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.plugins.base import Ctx, Plugin, register
 from router.types import BackendState, RoutingRequest
+
+log = logging.getLogger(__name__)
 
 
 class _P(BaseModel):
@@ -64,16 +67,48 @@ class PdGroupFilter(Filter):
         return [b for b in cands if b.group == g]
 
 
+class HealthyParams(_P):
+    fail_open: bool = Field(default=True, description="when every otherwise usable backend has an open circuit "
+                                                      "breaker, keep them rather than refuse everything (counted)")
+
+
 @register
 class HealthyFilter(Filter):
-    """Drops backends with a critical diagnosis, an open circuit breaker, draining, or tried already."""
+    """Drops backends with a critical diagnosis, an open circuit breaker, draining, or tried already.
+
+    Floor: when the only reason nothing is left is open breakers (every engine of the model tripped,
+    typically because all were slow at once), the tripped ones are kept: a request sent to an engine
+    that recovered closes its breaker, and refusing everything helps nobody. Counted as
+    ``fail_open`` and logged once per episode."""
 
     type_name = "healthy-filter"
+    Params = HealthyParams
+
+    def __init__(self, name, params):
+        super().__init__(name, params)
+        self.fail_opens = 0
+        self._episode = False
+
+    def events(self) -> dict[str, int]:
+        return {"fail_open": self.fail_opens}
 
     def apply(self, req, cands, ctx):
         ex = req.exclude
-        return [b for b in cands
+        kept = [b for b in cands
                 if b.health != "critical" and not b.circuit_open and not b.draining and b.pod not in ex]
+        if kept or not self.params.fail_open:
+            if kept and self._episode:
+                self._episode = False
+            return kept
+        tripped = [b for b in cands
+                   if b.circuit_open and b.health != "critical" and not b.draining and b.pod not in ex]
+        if tripped:
+            self.fail_opens += 1
+            if not self._episode:
+                self._episode = True
+                log.warning("every backend of model %r has an open circuit breaker: failing open to %d of them",
+                            req.model, len(tripped))
+        return tripped
 
 
 class BusyParams(_P):
@@ -86,15 +121,33 @@ class BusyParams(_P):
 
 @register
 class NotBusyFilter(Filter):
-    """Dynamo-like busy detection: KV usage, queue and pending prefill tokens over thresholds."""
+    """Dynamo-like busy detection: KV usage, queue and pending prefill tokens over thresholds.
+
+    When every candidate is busy only by its queue (waiting requests, pending prefill tokens; the
+    latter grow by themselves when first tokens are merely slow) and the router's admission control
+    is on, those candidates are kept: admission already caps what each engine gets and queues the
+    rest with a deadline, so a transient queue does not become 503s here (counted as
+    ``deferred_to_admission``). A full KV cache still counts as busy."""
 
     type_name = "not-busy-filter"
     Params = BusyParams
 
+    def __init__(self, name, params):
+        super().__init__(name, params)
+        self.deferred = 0
+
+    def events(self) -> dict[str, int]:
+        return {"deferred_to_admission": self.deferred}
+
     def apply(self, req, cands, ctx):
         p = self.params
         kv, w, pp = p.kv_usage_threshold, p.max_waiting, p.max_pending_prefill_tokens
-        return [b for b in cands if b.kv_usage < kv and b.waiting < w and b.pending_prefill_tokens < pp]
+        kept = [b for b in cands if b.kv_usage < kv and b.waiting < w and b.pending_prefill_tokens < pp]
+        if not kept and cands and ctx.admission:
+            kept = [b for b in cands if b.kv_usage < kv]
+            if kept:
+                self.deferred += 1
+        return kept
 
 
 @register
