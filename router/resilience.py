@@ -65,6 +65,11 @@ class CircuitBreakers:
         if b is not None and b.open_until and self._clock.now() >= b.open_until:
             b.half_open = True
 
+    def open_until(self, pod: str) -> float:
+        """When ``pod``'s cooldown ends (0.0: closed); the earliest belongs to the least recently failed."""
+        b = self._b.get(pod)
+        return b.open_until if b is not None else 0.0
+
     def success(self, pod: str) -> None:
         self._b.pop(pod, None)
 

@@ -161,10 +161,12 @@ class ClusterState:
         if br.active:
             for b in self._list:
                 b.circuit_open = br.is_open(b.pod)
+                b.circuit_until = br.open_until(b.pod) if b.circuit_open else 0.0
             self._marked = True
         elif self._marked:  # every breaker closed since the last snapshot: clear the flags once
             for b in self._list:
                 b.circuit_open = False
+                b.circuit_until = 0.0
             self._marked = False
         return self._list
 

@@ -44,6 +44,7 @@ class BackendState:
     # health
     health: str = "ok"  # ok | warning | critical
     circuit_open: bool = False
+    circuit_until: float = 0.0  # while circuit_open: when the breaker's cooldown ends (earlier: failed longer ago)
     draining: bool = False
     source: str = "static"
 

@@ -161,3 +161,35 @@ async def test_busy_filter_still_refuses_without_admission():
         assert await wait_for(lambda: svc.inflight == 0, timeout=5)
     finally:
         await _stop(svc, engines)
+
+
+def test_fail_open_keeps_the_least_recently_failed_and_never_the_unusable():
+    from router.plugins import build_plugin
+    from router.plugins.base import Ctx
+    from router.resilience import CircuitBreakers
+    from router.types import BackendState, RoutingRequest
+
+    class Clock:
+        t = 100.0
+
+        def now(self):
+            return self.t
+
+    clock = Clock()
+    br = CircuitBreakers(1, 10.0, clock)
+    pods = {p: BackendState(pod=p, url=f"http://{p}", model="m") for p in ("a", "b", "c", "d", "e")}
+    for i, p in enumerate(("c", "a", "d", "b")):  # c failed first, b last
+        clock.t = 100.0 + i
+        br.failure(p)
+    pods["e"].draining = True
+    for b in pods.values():
+        b.circuit_open, b.circuit_until = br.is_open(b.pod), br.open_until(b.pod)
+    f = build_plugin("healthy-filter", "healthy", {})
+    req = RoutingRequest(model="m", exclude=frozenset({"d"}))
+    assert [b.pod for b in f.apply(req, list(pods.values()), Ctx())] == ["c"]  # of c, a, b: the older half
+    assert f.events() == {"fail_open": 1}
+    pods["a"].circuit_open = False  # one usable again: the floor is not used
+    assert [b.pod for b in f.apply(req, list(pods.values()), Ctx())] == ["a"]
+    off = build_plugin("healthy-filter", "healthy", {"fail_open": False})
+    pods["a"].circuit_open = True
+    assert off.apply(req, list(pods.values()), Ctx()) == []

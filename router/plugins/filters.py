@@ -76,10 +76,10 @@ class HealthyParams(_P):
 class HealthyFilter(Filter):
     """Drops backends with a critical diagnosis, an open circuit breaker, draining, or tried already.
 
-    Floor: when the only reason nothing is left is open breakers (every engine of the model tripped,
-    typically because all were slow at once), the tripped ones are kept: a request sent to an engine
-    that recovered closes its breaker, and refusing everything helps nobody. Counted as
-    ``fail_open`` and logged once per episode."""
+    Floor: when the only reason nothing is left is open breakers (every engine of the model tripped),
+    the least recently failed half of the tripped ones (at least one) is kept rather than answering
+    503 to everything: a request that reaches an engine which recovered closes its breaker at once,
+    without waiting for the cooldown. Counted as ``fail_open`` and logged once per episode."""
 
     type_name = "healthy-filter"
     Params = HealthyParams
@@ -102,6 +102,8 @@ class HealthyFilter(Filter):
             return kept
         tripped = [b for b in cands
                    if b.circuit_open and b.health != "critical" and not b.draining and b.pod not in ex]
+        if len(tripped) > 1:
+            tripped = sorted(tripped, key=lambda b: b.circuit_until)[:max(1, len(tripped) // 2)]
         if tripped:
             self.fail_opens += 1
             if not self._episode:
