@@ -76,8 +76,10 @@ class Router:
         return self.default_block_size
 
     def decide(self, request: RoutingRequest, backends: Sequence[BackendState], index_view: Any = None,
-               now: float = 0.0, *, overlap: dict[str, int] | None = None, load_epoch: int | None = None) -> Decision:
-        """Run the strategy. ``load_epoch``: a number the caller changes whenever any backend's load or
+               now: float = 0.0, *, overlap: dict[str, int] | None = None, load_epoch: int | None = None,
+               queued: bool | None = None) -> Decision:
+        """Run the strategy. ``queued``: whether a refused request would wait in admission's queue
+        (default: :attr:`admission`); the endpoint picker has no queue and passes False. ``load_epoch``: a number the caller changes whenever any backend's load or
         health fields (waiting, running, kv_usage, cpu/mem utilisation, health, GPU blocks) change
         (``ClusterState.epoch``); while it stays the same, the columns of load-only scorers are reused
         for the same candidates. Without it (simulations, tests) every column is computed."""
@@ -88,7 +90,7 @@ class Router:
         nblocks = len(request.keys) if (request.token_ids is None and request.keys) else request.prompt_tokens // bs
         ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, rng=self.rng, now=now,
                   prompt_tokens=request.prompt_tokens, load_epoch=load_epoch, backends=backends,
-                  admission=self.admission)
+                  admission=self.admission if queued is None else queued)
         cands = list(backends)
         model = request.model
         best = 0

@@ -333,10 +333,13 @@ class RouterService:
     async def ready(self, request: Request) -> Response:
         if self.draining:
             return json_response({"ready": False, "reason": "draining"}, status=503)
-        n = sum(1 for b in self.state.snapshot() if b.health != "critical" and not b.circuit_open)
-        if n == 0:
+        usable = [b for b in self.state.snapshot() if b.health != "critical"]
+        if not usable:
             return json_response({"ready": False, "reason": "no usable backend"}, status=503)
-        return json_response({"ready": True, "backends": n})
+        # backends with an open circuit still count: the healthy filter fails open to them when
+        # every one is tripped, so taking the router out of service would only add an outage
+        return json_response({"ready": True, "backends": len(usable),
+                              "circuit_open": sum(1 for b in usable if b.circuit_open)})
 
     async def prom(self, request: Request) -> Response:
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)

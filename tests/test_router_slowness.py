@@ -134,6 +134,8 @@ async def test_all_tripped_fails_open_and_recovers_without_waiting_for_cooldown(
             for _ in range(3):
                 await _post(s, _url(svc), SHORT)
             assert svc.state.breakers.state("a") == svc.state.breakers.state("b") == "open"
+            async with s.get(svc.url + "/readyz") as r:  # still ready: it fails open, not out
+                assert r.status == 200 and (await r.json())["circuit_open"] == 2
             sent = sum(len(e.requests) for e in engines)
             st, _ = await _post(s, _url(svc), SHORT)  # every breaker open: still sent out (fail-open)
             assert st == 502

@@ -129,7 +129,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         rreq = svc._routing_request(kind, body, rid, len(r.body))
         t = time.perf_counter()
         st = svc.state
-        d = svc.router.decide(rreq, cands, svc.index, st.clock.now(), load_epoch=st.epoch)
+        d = svc.router.decide(rreq, cands, svc.index, st.clock.now(), load_epoch=st.epoch,
+                              queued=False)  # Envoy sends at once: busy is busy (429)
         svc._m_decision.observe(time.perf_counter() - t)
         if not d.ok:
             if d.status == "no_model":
