@@ -25,14 +25,12 @@ def is_breaker_failure(exc: BaseException | str | None) -> bool:
         return False
     if isinstance(exc, str):
         return exc != "slow"
-    if isinstance(exc, (asyncio.TimeoutError, asyncio.CancelledError)):
+    if isinstance(exc, (TimeoutError, asyncio.CancelledError)):
         return False
     kind = getattr(exc, "kind", None)
     if kind == "timeout":
         return False
-    if kind == "connect" and "timed out" in str(exc):
-        return False
-    return True
+    return not (kind == "connect" and "timed out" in str(exc))
 
 
 class CircuitBreakers:
