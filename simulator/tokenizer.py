@@ -436,6 +436,9 @@ def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
 
 def render_chat(tokenizer: Tokenizer, body: Mapping[str, Any]) -> RenderedChat:
     """The chat prompt text of a ``/v1/chat/completions`` body, rendered once."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError("'chat_template_kwargs' must be an object")

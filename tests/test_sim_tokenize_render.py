@@ -56,6 +56,8 @@ def test_tokenize_detokenize_and_render_agree_with_the_engine_cache(engine):
 @pytest.mark.parametrize("path,body,status", [
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404),
     ("/tokenize", {"prompt": 5}, 400),
+    ("/tokenize", {"messages": None}, 400),
+    ("/tokenize", {"messages": []}, 400),
     ("/detokenize", {"tokens": ["a"]}, 400),
     ("/detokenize", {"tokens": [-1]}, 400),
     ("/v1/completions/render", {"prompt": "x", "use_beam_search": True}, 400),
