@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from schemas.config import key_lines
+
 
 class IndexerConfig(BaseModel):
     """The ``indexer`` settings section."""
@@ -59,5 +61,5 @@ class IndexerConfig(BaseModel):
                 text = self.api_keys_file.read_text()
             except OSError as exc:
                 raise ValueError(f"api_keys_file {self.api_keys_file}: {exc.strerror}") from None
-            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+            keys += key_lines(text)
         return keys

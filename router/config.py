@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from router.admission import AdmissionConfig
 from router.pd_protocol import PdConnectorConfig
+from schemas.config import key_lines
 
 
 class _S(BaseModel):
@@ -126,5 +127,5 @@ class RouterConfig(_S):
                 text = self.api_keys_file.read_text()
             except OSError as exc:
                 raise ValueError(f"api_keys_file {self.api_keys_file}: {exc.strerror}") from None
-            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+            keys += key_lines(text)
         return keys

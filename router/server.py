@@ -392,13 +392,16 @@ class RouterService:
         raise ApiError(404, f"The model `{mid}` does not exist.", "invalid_request_error", "model_not_found",
                        "model")
 
-    async def _passthrough(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
-        """Embeddings, Responses, tokenize, detokenize: checked, then sent unchanged to a backend serving
-        the model (connect failures go to another one); the answer, streamed or not, comes back as is."""
+    def _refuse_if_draining(self) -> None:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             raise ApiError(503, "router is draining", "service_unavailable", "draining",
                            headers={"Retry-After": str(self.cfg.retry_after_s)})
+
+    async def _passthrough(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
+        """Embeddings, Responses, tokenize, detokenize: checked, then sent unchanged to a backend serving
+        the model (connect failures go to another one); the answer, streamed or not, comes back as is."""
+        self._refuse_if_draining()
         body = await self._read_json(request)
         self._check_body(kind, body)
         rid = request[_RID]
@@ -615,10 +618,7 @@ class RouterService:
                 queued += time.perf_counter() - t
 
     async def _inference(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
-        if self.draining:
-            self.metrics.rejected.labels("draining").inc()
-            raise ApiError(503, "router is draining", "service_unavailable", "draining",
-                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        self._refuse_if_draining()
         body = await self._read_json(request)
         self._check_body(kind, body)
         rid = request[_RID]

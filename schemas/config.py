@@ -79,3 +79,8 @@ class EmbeddedNatsConfig(_Section):
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
     store_dir: Path = Path(".infernex/nats")
     binary: Path | None = None
+
+
+def key_lines(text: str) -> list[str]:
+    """API keys from a key file's text: one per line, blank lines and ``#`` comments skipped."""
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
