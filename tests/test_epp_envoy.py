@@ -47,7 +47,7 @@ async def engines(*roles: str, blocks: int = 8192):
 
 @contextlib.asynccontextmanager
 async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUPLEX_STREAMED",
-                failure_mode_allow=False, fallback=None, subset=None):
+                failure_mode_allow=False, fallback=None, subset=None, observe_response=True):
     epp_port = free_port()
     app = RouterApp(RouterConfig(strategy=strategy, backends=backends, bus=nats is not None, records=False,
                                  epp_port=epp_port, seed=1, kv_snapshot=None), nats)
@@ -55,7 +55,7 @@ async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUP
     try:
         await app.start("127.0.0.1", 0)
         cfg = envoy_config(free_port(), free_port(), ("127.0.0.1", epp_port), body_mode=body_mode,
-                           failure_mode_allow=failure_mode_allow, subset=subset,
+                           failure_mode_allow=failure_mode_allow, subset=subset, observe_response=observe_response,
                            fallback=fallback or [_hp(b.url) for b in backends])
         env = await asyncio.to_thread(EnvoyProcess(cfg).start)
         async with client(env) as c:
@@ -237,3 +237,54 @@ async def test_envoy_subset_hint_restricts_the_pick():
             with pytest.raises(openai.InternalServerError) as ei:
                 await c.completions.create(model=MODEL, prompt="x", max_tokens=2)
             assert ei.value.status_code == 503 and ei.value.body["code"] == "no_backend"
+
+
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+async def test_requests_through_envoy_get_sla_records(body_mode):
+    """Envoy relays the response to the picker, which records the request as the HTTP router
+    would: the pod Envoy really used, output tokens, time to first token and the decision."""
+    from router.records import RecordSink
+
+    async with engines("aggregated", "aggregated") as cluster:
+        backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
+        async with stack(backends, body_mode=body_mode) as (app, _env, c):
+            sink = RecordSink("default", registry=CollectorRegistry())
+            app.service.records = sink
+            raw = await c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "count to five"}], max_tokens=6, stream=True)
+            served = pod_of(raw.headers, backends)
+            n = 0
+            async for ch in raw.parse():
+                n += bool(ch.choices and ch.choices[0].delta.content)
+            assert n == 6
+            r2 = await c.completions.with_raw_response.create(model=MODEL, prompt="once upon a time", max_tokens=3)
+            served2 = pod_of(r2.headers, backends)
+            assert await wait_for(lambda: sink.queue.qsize() >= 4, timeout=5)
+            got = [sink.queue.get_nowait() for _ in range(sink.queue.qsize())]
+            reqs = [RecordSink.build(ev) for subj, ev, _ in got if subj.startswith("router.requests")]
+            decs = [subj for subj, _ev, _ in got if subj.startswith("router.decisions")]
+            assert len(reqs) == 2 and len(decs) == 2
+            stream_rec = next(x for x in reqs if x.stream)
+            plain = next(x for x in reqs if not x.stream)
+            assert stream_rec.status == "ok" and stream_rec.http_status == 200
+            assert stream_rec.output_tokens == 6 and stream_rec.decode_pod == served
+            assert stream_rec.ttft_s is not None and 0 < stream_rec.ttft_s <= stream_rec.e2e_s
+            assert stream_rec.itl_s is not None
+            assert plain.output_tokens == 3 and plain.decode_pod == served2 and plain.prompt_tokens > 0
+            assert app.registry.get_sample_value("infernex_router_epp_unobserved_total") == 0
+
+
+async def test_a_gateway_that_does_not_relay_responses_is_counted_not_recorded():
+    from router.records import RecordSink
+
+    async with engines("aggregated") as cluster:
+        backends = [StaticBackend(pod=h.engine_id, url=h.url, model=MODEL) for h in cluster.engines]
+        async with stack(backends, body_mode="BUFFERED", observe_response=False) as (app, _env, c):
+            sink = RecordSink("default", registry=CollectorRegistry())
+            app.service.records = sink
+            r = await c.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+            assert r.usage.completion_tokens == 2
+            assert await wait_for(lambda: app.registry.get_sample_value("infernex_router_epp_unobserved_total") == 1,
+                                  timeout=5)
+            subjects = [sink.queue.get_nowait()[0] for _ in range(sink.queue.qsize())]
+            assert [s.split(".")[1] for s in subjects] == ["decisions"]  # no request record: nothing true to say

@@ -64,15 +64,25 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], http2: bool = F
 
 def envoy_config(port: int, admin_port: int, epp: tuple[str, int], *, fallback: list[tuple[str, int]],
                  body_mode: str = "FULL_DUPLEX_STREAMED", failure_mode_allow: bool = False,
-                 timeout_s: float = 5.0, epp_enabled: bool = True, subset: list[str] | None = None) -> dict:
+                 timeout_s: float = 5.0, epp_enabled: bool = True, subset: list[str] | None = None,
+                 observe_response: bool = True) -> dict:
     """Envoy's bootstrap. ``body_mode``: ``FULL_DUPLEX_STREAMED`` (GIE's choice) or ``BUFFERED``.
     ``epp_enabled=False``: no ext_proc at all, requests go to ``fallback`` (the direct baseline).
     ``subset``: endpoints Envoy tells the picker to choose from (``envoy.lb.subset_hint`` metadata,
-    set by a set_metadata filter and forwarded to ext_proc)."""
+    set by a set_metadata filter and forwarded to ext_proc).
+    ``observe_response``: Envoy relays the response to the picker too (headers, and the body in the
+    request's streaming style), which is how gateway-routed requests get SLA records."""
     mode = {"request_header_mode": "SEND", "response_header_mode": "SKIP", "request_body_mode": body_mode,
             "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if body_mode == "FULL_DUPLEX_STREAMED":
         mode["request_trailer_mode"] = "SEND"  # Envoy requires it with full-duplex bodies
+    if observe_response:
+        mode["response_header_mode"] = "SEND"
+        if body_mode == "FULL_DUPLEX_STREAMED":
+            mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+            mode["response_trailer_mode"] = "SEND"
+        else:  # chunk by chunk, so a streamed answer is not held back
+            mode["response_body_mode"] = "STREAMED"
     filters = []
     md_opts: dict = {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}}
     if subset is not None:

@@ -14,7 +14,9 @@ body-aware pick is impossible there; a warning says so once).
 
 While the stream lives the pick counts as in flight on its backend (the router's own in-flight and
 active-token counters, which its load scorers read); the stream ends when Envoy is done with the
-request.
+request. Each pick is published as a routing decision (with its inputs, for ``replay explain``) and,
+when the gateway relays the response, as a request record for the SLA history
+(:mod:`router.epp.observe`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import msgspec
+from prometheus_client import Counter
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp import protocol as P
-from router.server import ApiError
+from router.epp.observe import ResponseWatch
+from router.server import ApiError, _Flow
 from router.types import BackendState, Decision
 
 if TYPE_CHECKING:
@@ -56,6 +60,9 @@ class _Req:
     response_duplex: bool = False
     body: bytearray = field(default_factory=bytearray)
     picked: list[tuple[BackendState, int, int]] = field(default_factory=list)  # (backend, tokens, prefill)
+    t0: float = 0.0  # perf_counter when the headers arrived
+    arrival: float = 0.0  # wall time of the same
+    watch: ResponseWatch | None = None
 
 
 class _Reject(Exception):
@@ -73,6 +80,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.picks = 0
         self.rejects: dict[int, int] = {}
         self._warned_streamed = False
+        self._warned_unobserved = False
+        self.unobserved = Counter("infernex_router_epp_unobserved_total",
+                                  "Picked requests whose response the gateway did not relay to the picker "
+                                  "(no request record: set ext_proc response_header_mode SEND)",
+                                  registry=service.registry)
 
     # -- helpers ---------------------------------------------------------------------------
     def endpoint(self, b: BackendState) -> str:
@@ -129,9 +141,17 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         rreq = svc._routing_request(kind, body, rid, len(r.body))
         t = time.perf_counter()
         st = svc.state
-        d = svc.router.decide(rreq, cands, svc.index, st.clock.now(), load_epoch=st.epoch,
+        now = st.clock.now()
+        d = svc.router.decide(rreq, cands, svc.index, now, load_epoch=st.epoch,
                               queued=False)  # Envoy sends at once: busy is busy (429)
         svc._m_decision.observe(time.perf_counter() - t)
+        flow = None
+        if svc.records is not None:
+            flow = _Flow(rid=rid or f"epp-{self.picks}-{time.time_ns()}", kind=kind, path=path, body=body,
+                         stream=bool(body.get("stream")), arrival=r.arrival or time.time(), t0=r.t0 or t, rreq=rreq)
+            flow.decision = d
+            flow.captured = (svc._capture(cands, st.epoch if r.subset is None else None), now)
+            svc._publish_decision(flow, d)
         if not d.ok:
             if d.status == "no_model":
                 raise self._reject(404, d.reason, "model_not_found", "invalid_request_error")
@@ -141,13 +161,18 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         target = d.target
         n = rreq.prompt_tokens
         if d.prefill is not None:
-            st.started(d.prefill, n, n)
+            svc._started(d.prefill, n, n)
             r.picked.append((d.prefill, n, n))
-            st.started(target, n, 0)
+            svc._started(target, n, 0)
             r.picked.append((target, n, 0))
         else:
-            st.started(target, n, n)
+            svc._started(target, n, n)
             r.picked.append((target, n, n))
+        if flow is not None:
+            flow.prefill_pod = d.prefill.pod if d.prefill is not None else None
+            flow.decode_pod = target.pod
+            flow.pods = [*([flow.prefill_pod] if flow.prefill_pod else []), target.pod]
+            r.watch = ResponseWatch(svc, flow)
         if d.prefill is not None:
             svc._pick(d.prefill.pod, "prefill")
         svc._pick(target.pod, "decode" if svc.router.strategy.pd else "aggregated")
@@ -173,15 +198,28 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         other = next((x for x in self.svc.state.snapshot() if self.endpoint(x) == served), None)
         if other is None:
             return
-        st = self.svc.state
-        st.finished(b, n, pre)
-        st.started(other, n, pre)
+        svc = self.svc
+        svc._finished(b, n, pre)
+        svc._started(other, n, pre)
         r.picked[-1] = (other, n, pre)
+        if r.watch is not None:
+            f = r.watch.flow
+            f.retries += 1
+            f.decode_pod = other.pod
+            f.pods = [*([f.prefill_pod] if f.prefill_pod else []), other.pod]
 
     def _release(self, r: _Req) -> None:
         for b, n, pre in r.picked:
-            self.svc.state.finished(b, n, pre)
+            self.svc._finished(b, n, pre)
         r.picked.clear()
+        w, r.watch = r.watch, None
+        if w is not None and not w.finish():
+            self.unobserved.inc()
+            if not self._warned_unobserved:
+                self._warned_unobserved = True
+                log.warning("the gateway does not relay responses to the endpoint picker: no request records "
+                            "for the SLA history (set ext_proc response_header_mode SEND and a response body "
+                            "mode); counted in infernex_router_epp_unobserved_total")
 
     # -- the stream ------------------------------------------------------------------------
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:
@@ -191,6 +229,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             async for req in request_iterator:
                 which = req.WhichOneof("request")
                 if which == "request_headers":
+                    r.t0, r.arrival = time.perf_counter(), time.time()
                     if req.HasField("protocol_config"):
                         pc = req.protocol_config
                         r.duplex = pc.request_body_mode == _DUPLEX
@@ -252,9 +291,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     served = P.served_endpoint(req)
                     if served is not None:
                         self._served(r, served)
+                    if r.watch is not None:
+                        r.watch.headers(req)
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
                 elif which == "response_body":
                     rb = req.response_body
+                    if r.watch is not None:
+                        r.watch.body(rb.body, rb.end_of_stream)
                     if r.response_duplex:  # hand each chunk straight back
                         mut = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                             body=rb.body, end_of_stream=rb.end_of_stream))
