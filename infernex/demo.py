@@ -56,6 +56,15 @@ class DemoConfig:
     # PD strategies run on the xPyD group alone; replay them at the same load per engine as the
     # aggregated strategies (arrivals stretched by aggregated / PD engines), not 2x-4x overloaded
     pd_same_load_per_engine: bool = True
+    # the PD sizing loop (needs services: it runs on the demo's ClickHouse): a PD pool started 1P3D
+    # under a load ramp, resized by the planner's hints; then PD (planner split) against aggregated
+    # goodput on the same engines, long prompts; both in virtual time
+    pd_loop: bool = True
+    pd_loop_intervals: int = 16
+    pd_loop_interval_s: float = 30.0
+    goodput_engines: int = 4
+    goodput_rates: tuple[float, ...] = (5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0)
+    goodput_seconds: float = 40.0
 
 
 
@@ -444,6 +453,9 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
         if cfg.services and cfg.incident and node is not None and results and not stop.is_set():
             incident = await _incident(cfg, cluster, node, rows, backends, nats_cfg, findings, records, console)
         await rec_sub.unsubscribe()
+        pd_loop = None
+        if cfg.pd_loop and sla_store is not None and not stop.is_set():
+            pd_loop = await _pd_loop(cfg, sla_store, console)
         sla_rows, tables = [], {}
         if sla_store is not None and windows:
             from consumers import sla_queries
@@ -477,6 +489,12 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                   f"{head['base']} ({head['best_ttft_p50_s'] * 1000:.0f} ms vs {head['base_ttft_p50_s'] * 1000:.0f} ms). "
                   + (agreement["text"] if agreement else ""), False)] if head else [])
             sections = _sections(sla_rows, incident, findings, sla_targets)
+            images = []
+            if pd_loop is not None:
+                sections += pd_loop["sections"]
+                verdicts += pd_loop["verdicts"]
+                images.append(("pd-loop.png", "The PD sizing loop: load, engines per role and SLA attainment over "
+                                              "virtual time (planner hints read from ClickHouse)", pd_loop["png"]))
             if virtual:
                 from infernex.report import COLUMNS
 
@@ -495,7 +513,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             timeline = await asyncio.to_thread(plot_timeline, timelines, lag_limit_s=MAX_START_LAG_S)
             paths = write_report(results, cfg.out, title="Live run: " + title, sections=sections, verdicts=verdicts,
                                  images=[("timeline.png", "The live run over time: TTFT and client lag per strategy",
-                                          timeline)],
+                                          timeline), *images],
                                  notes=[
                 f"latencies are wall-clock; the simulated engines run {cfg.time_scale:g}x faster than the "
                 f"{cfg.hardware} profile, and trace arrivals are compressed by the same factor",
@@ -507,6 +525,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                  else []) + ([warn_line] if warn_line else []))
             (cfg.out / "control-plane.json").write_text(json.dumps({
                 "sla": sla_rows, "tables": tables, "incident": incident,
+                "pd_loop": None if pd_loop is None else pd_loop["data"],
                 "findings": [f.model_dump(mode="json") for f in findings]}, indent=2, default=str))
             (cfg.out / "validity.json").write_text(json.dumps({
                 "valid": not live_verdict[1], "verdict": live_verdict[0],
@@ -516,6 +535,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                 (cfg.out / "headline.json").write_text(json.dumps({**head, "previous": agreement}, indent=2))
             console.print(f"report: {paths['html']} and {paths['png']}  ({time.monotonic() - t_start:.0f}s)")
         return {"results": results, "out": str(cfg.out), "sla": sla_rows, "incident": incident,
+                "pd_loop": None if pd_loop is None else pd_loop["data"], "tables": tables,
                 "findings": findings, "virtual": virtual, "headline": head,
                 "valid": None if live_verdict is None else not live_verdict[1]}
     finally:
@@ -582,6 +602,75 @@ async def _incident(cfg: DemoConfig, cluster, node, rows, backends, nats_cfg, fi
             "severity": finding.severity, "remediation": finding.remediation,
             "detected_after_s": round(detected, 2), "requests": len(sample), "ok": ok,
             "sent_to_faulty_pod": sent}
+
+
+async def _pd_loop(cfg: DemoConfig, store, console) -> dict:
+    """The PD sizing loop on the demo's own ClickHouse, then PD vs aggregated goodput; both in virtual
+    time (:mod:`consumers.pd_loop`, :mod:`simulator.goodput`). Returns report sections, verdicts,
+    the plot and the data."""
+    from consumers.pd_loop import POOL as LOOP_POOL
+    from consumers.pd_loop import run_loop
+    from infernex.report import plot_pd_loop
+    from simulator.goodput import compare
+    from streams.planner import SlaTargets
+
+    targets = SlaTargets(ttft_s=2.0, itl_s=0.025)
+    n, dt = cfg.pd_loop_intervals, cfg.pd_loop_interval_s
+    console.print(f"  [bold]PD sizing loop[/bold] (virtual time): pool {LOOP_POOL!r} starts 1P3D, load ramps 1 -> 6 req/s "
+                  f"of 6k-10k-token prompts over {n} intervals of {dt:g} s; the planner reads the SLA history from "
+                  "ClickHouse and its hints resize prefill and decode")
+    lines: list[str] = []
+    rep = await asyncio.to_thread(lambda: asyncio.run(run_loop(
+        store, intervals=n, interval_s=dt, targets=targets, log=lines.append)))
+    hints = int(store.rows(f"SELECT count() AS n FROM {store.database}.scaling_hints "
+                          f"WHERE pool = '{LOOP_POOL}'")[0]["n"])
+    ivs = rep.intervals
+    q = max(1, len(ivs) // 4)
+
+    def avg(xs) -> float:
+        vals = [i.attainment for i in xs if i.attainment is not None]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    first, last = avg(ivs[:q]), avg(ivs[-q:])
+    low = min(ivs, key=lambda i: i.attainment if i.attainment is not None else 1.0)
+    start, end = ivs[0].engines, {**ivs[-1].engines, **ivs[-1].hints}
+    recovered = last >= 0.8
+    text = (f"PD sizing loop (virtual time): attainment {first:.0%} in the first quarter, down to "
+            f"{low.attainment or 0:.0%} at {low.k * dt / 60:g} min as the ramp starved prefill, {last:.0%} in the "
+            f"last quarter; the planner resized the pool {start.get('prefill', 0)}P{start.get('decode', 0)}D -> "
+            f"{end.get('prefill', 0)}P{end.get('decode', 0)}D with {hints} hints written to ClickHouse.")
+    if hints == 0 or not recovered:
+        text = ("PD sizing loop NOT converged: " + ("no scaling hints reached ClickHouse; " if hints == 0 else "")
+                + (f"last-quarter attainment {last:.0%} is below 80%; " if not recovered else "") + text)
+    console.print(("    " if hints and recovered else "    [red]") + text + ("" if hints and recovered else "[/red]"),
+                  soft_wrap=True)
+    console.print(f"  [bold]goodput[/bold]: PD (planner split) vs aggregated on {cfg.goodput_engines} engines, "
+                  f"rates {', '.join(f'{r:g}' for r in cfg.goodput_rates)} req/s ...")
+    gp = await asyncio.to_thread(compare, cfg.goodput_engines, list(cfg.goodput_rates), seconds=cfg.goodput_seconds,
+                                 ttft_s=targets.ttft_s, tpot_s=targets.itl_s)
+    console.print("    " + gp.summary(), soft_wrap=True)
+    loop_rows = [[f"{i.k * dt / 60:g}", f"{i.rate:.1f}", str(i.engines.get("prefill", 0)),
+                  str(i.engines.get("decode", 0)), str(i.requests),
+                  "-" if i.attainment is None else f"{i.attainment:.1%}",
+                  f"{i.hints.get('prefill', '-')}P{i.hints.get('decode', '-')}D"] for i in ivs]
+    sections = [
+        (f"PD sizing loop (virtual time, pool {LOOP_POOL}, SLA TTFT <= {targets.ttft_s:g} s and TPOT <= "
+         f"{targets.itl_s * 1000:g} ms)", ["minute", "load req/s", "prefill", "decode", "requests", "attainment",
+                                            "planner hint"], loop_rows),
+        (f"Goodput, PD (planner split) vs aggregated on the same {gp.engines} engines (virtual time, ISL "
+         f"U{gp.isl}, OSL U{gp.osl}, {gp.seconds:g} s per rate): {gp.summary()}",
+         ["rate req/s", "aggregated goodput (attainment)", "PD split", "PD goodput (attainment)", "PD / aggregated"],
+         gp.rows()),
+    ]
+    png = await asyncio.to_thread(plot_pd_loop, ivs, interval_s=dt, attainment_goal=0.9)
+    data = {"intervals": [{"k": i.k, "rate": i.rate, "engines": i.engines, "requests": i.requests,
+                           "attainment": i.attainment, "hints": i.hints} for i in ivs],
+            "scaling_hints": hints, "records": rep.record_rows, "converged": bool(hints and recovered),
+            "goodput": {"engines": gp.engines, "aggregated_req_s": gp.sustained("aggregated"),
+                        "pd_req_s": gp.sustained("pd"), "ratio": gp.ratio, "lower_bound": gp.saturated,
+                        "points": [p.__dict__ for p in gp.points]}}
+    return {"sections": sections, "verdicts": [(text, not (hints and recovered)), (gp.summary(), False)],
+            "png": png, "data": data}
 
 
 async def _sla_table(store, windows: dict[str, tuple[float, float]], n_records: int, console,

@@ -156,6 +156,44 @@ def plot_timeline(runs: dict[str, list], *, lag_limit_s: float | None = None) ->
     return buf.getvalue()
 
 
+def plot_pd_loop(intervals: list, *, interval_s: float, attainment_goal: float | None = None) -> bytes:
+    """The PD sizing loop over (virtual) time: offered load, engines per role (what ran in each
+    interval, and what the planner asked for at its end), and SLA attainment. 9 x 5 inches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [i.k * interval_s / 60 for i in intervals]
+    fig, (load, reps, att) = plt.subplots(3, 1, figsize=(9, 5), sharex=True)
+    load.step(t, [i.rate for i in intervals], where="post", color="black", lw=1.2)
+    load.set_ylabel("offered load\n(req/s)", fontsize=8)
+    for role, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
+        reps.step(t, [i.engines.get(role, 0) for i in intervals], where="post", color=color, lw=1.4,
+                  label=f"{role} engines running")
+        hinted = [(x, i.hints[role]) for x, i in zip(t, intervals) if role in i.hints]
+        if hinted:
+            reps.plot([x + interval_s / 60 for x, _ in hinted], [h for _, h in hinted], "x", color=color, ms=5,
+                      label=f"{role} hint (from ClickHouse history)")
+    reps.set_ylabel("replicas", fontsize=8)
+    reps.legend(fontsize=7, ncol=2)
+    att.plot(t, [None if i.attainment is None else i.attainment * 100 for i in intervals], "o-", color="tab:green",
+             ms=3, lw=1)
+    if attainment_goal is not None:
+        att.axhline(attainment_goal * 100, color="red", lw=0.8, ls="--", label=f"goal {attainment_goal:.0%}")
+        att.legend(fontsize=7)
+    att.set_ylim(0, 105)
+    att.set_ylabel("SLA attainment\n(%)", fontsize=8)
+    att.set_xlabel("virtual time (minutes)", fontsize=8)
+    for ax in (load, reps, att):
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 Section = tuple[str, list[str], list[list[str]]]  # heading, column names, rows of cells
 
 
@@ -173,6 +211,7 @@ def write_report(results: list[StrategyResult], out_dir: Path, *, title: str, no
     md = f"# {title}\n\n" + "".join(f"**{t}**\n\n" for t, _ in verdicts or []) + markdown_table(results) + "\n"
     if notes:
         md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    md += "".join(f"\n![{cap}]({name})\n" for name, cap, _ in images or [])
     sections_html = ""
     for heading, cols, rows in sections or []:
         md += f"\n## {heading}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"

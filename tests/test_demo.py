@@ -63,6 +63,17 @@ def test_short_demo_run(tmp_path):
     # ... and the report says so too
     assert "SLA history read back from ClickHouse" in html and "Diagnosis findings" in html
     assert "sent to faulty pod" in html
+    # the PD sizing loop ran on the demo's ClickHouse: the planner's hints are there and they
+    # resized the simulated pool; the report plots it and compares PD with aggregated goodput
+    loop = cp["pd_loop"]
+    assert cp["tables"]["scaling_hints"] >= loop["scaling_hints"] > 0
+    assert loop["records"] > 0 and len(loop["intervals"]) == 16
+    sizes = {(i["engines"]["prefill"], i["engines"]["decode"]) for i in loop["intervals"]}
+    assert len(sizes) > 1  # the hints were applied: the pool changed shape
+    assert loop["goodput"]["points"] and loop["goodput"]["aggregated_req_s"] >= 0
+    assert (out / "pd-loop.png").read_bytes()[:4] == b"\x89PNG"
+    assert "PD sizing loop" in html and "Goodput, PD (planner split) vs aggregated" in html
+    assert "PD sizing loop" in r.stdout
     # everything it started is gone: no nats-server left on its store
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(out / "nats") not in ps

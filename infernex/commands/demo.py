@@ -37,6 +37,9 @@ def demo(
                                   help="also run the metrics and NPU collectors, diagnosis engine and SLA sink"),
     incident: bool = typer.Option(True, "--incident/--no-incident",
                                   help="end with a critical NPU fault under one engine (needs --services)"),
+    pd_loop: bool = typer.Option(True, "--pd-loop/--no-pd-loop",
+                                 help="then the PD sizing loop and PD-vs-aggregated goodput, in virtual time "
+                                      "(needs --services: the planner reads the demo's ClickHouse)"),
 ) -> None:
     """Start NATS, simulated engines, KV bridges, indexer and router; replay a trace slice under
     several strategies; print a comparison and write a report (PNG + HTML)."""
@@ -44,7 +47,8 @@ def demo(
 
     cfg = DemoConfig(trace=trace or DEFAULT_TRACE, requests=requests, offset=offset, time_scale=time_scale,
                      engines=engines, prefill=prefill, decode=decode, strategies=list(strategies),
-                     max_output_tokens=max_output_tokens, out=out, services=services, incident=incident)
+                     max_output_tokens=max_output_tokens, out=out, services=services, incident=incident,
+                     pd_loop=pd_loop)
     if not cfg.trace.is_file():
         from infernex.commands.common import fail
 
