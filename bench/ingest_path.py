@@ -302,7 +302,9 @@ async def one_run(encoding: str, args) -> dict:
         for i, p in enumerate(ports):
             bridges.append(subprocess.Popen(
                 [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv", "--endpoint", f"tcp://127.0.0.1:{p}",
-                 "--pod", f"pod-{i}", "--model", MODEL, "--encoding", encoding, "--metrics-port", str(mports[i])],
+                 "--pod", f"pod-{i}", "--model", MODEL, "--encoding", "json" if encoding == "json" else "binary",
+                 "--group-max", "1" if encoding in ("json", "binary1") else str(args.group_max),
+                 "--metrics-port", str(mports[i])],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"bridge-{i}.log", "w")))
         procs.extend(bridges)
         cmds.put("warm")
@@ -395,10 +397,19 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1000.0, help="paced phase: frames/s in total")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--encodings", default="json,binary")
-    ap.add_argument("--dynamo-python", default=None,
-                    help="python of a venv with ai-dynamo-runtime: adds Dynamo's standalone indexer to the rounds")
+    ap.add_argument("--encodings", default="json,binary1,binary",
+                    help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
+    ap.add_argument("--group-max", type=int, default=64, help="the bridges' --group-max for 'binary'")
+    ap.add_argument("--dynamo-python", default="auto",
+                    help="python of a venv with ai-dynamo-runtime (adds Dynamo's standalone indexer to the rounds); "
+                         "auto: bench/peers.py's cached venv, created on first use; none: leave Dynamo out")
     args = ap.parse_args()
+    if args.dynamo_python == "auto":
+        from bench.peers import peer_python
+
+        args.dynamo_python = peer_python("ai-dynamo-runtime==1.6.1", "dynamo", venv="ai-dynamo-runtime")
+    elif args.dynamo_python == "none":
+        args.dynamo_python = None
     if args.role == "indexer":
         indexer_role(args.url, args.lag_file, args.port)
         return
@@ -432,10 +443,16 @@ def main() -> None:
         print(f"  {e:6s}: {m['blocks_per_s']:,.0f} blocks/s; CPU us/block all {m['all']:.2f} (bridges "
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
               f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms")
-    if "dynamo" in med and "binary" in med:
-        d, b = med["dynamo"], med["binary"]
-        print(f"  binary / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
-              f"{b['all'] / d['all']:.2f}x")
+    for e in ("binary", "binary1", "json"):
+        if "dynamo" in med and e in med:
+            d, b = med["dynamo"], med[e]
+            print(f"  {e} / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
+                  f"{b['all'] / d['all']:.2f}x")
+    if "binary1" in med and "binary" in med:
+        j, b = med["binary1"], med["binary"]
+        print(f"  binary (grouped) / binary1: blocks/s {b['blocks_per_s'] / j['blocks_per_s']:.2f}x; CPU per block "
+              f"{b['all'] / j['all']:.2f}x (bridges {b['bridges'] / j['bridges']:.2f}x, nats "
+              f"{b['nats-server'] / j['nats-server']:.2f}x, indexer {b['indexer'] / j['indexer']:.2f}x)")
     if "json" in med and "binary" in med:
         j, b = med["json"], med["binary"]
         print(f"  binary / json: blocks/s {b['blocks_per_s'] / j['blocks_per_s']:.2f}x; CPU per block "

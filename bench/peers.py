@@ -18,10 +18,13 @@ from pathlib import Path
 CACHE = Path(os.environ.get("INFERNEX_BENCH_CACHE", Path.home() / ".cache" / "infernex-bench"))
 
 
-def peer_python(package: str, module: str | None = None) -> str | None:
-    venv = CACHE / package
+def peer_python(package: str, module: str | None = None, *, venv: str | None = None) -> str | None:
+    """``package`` may carry a version (``ai-dynamo-runtime==1.6.1``); ``venv`` names the folder
+    (default: the package name)."""
+    name = package.split("==")[0]
+    venv = CACHE / (venv or name)
     py = venv / "bin" / "python"
-    module = module or package.replace("-", "_")
+    module = module or name.replace("-", "_")
     if py.exists() and subprocess.run([str(py), "-c", f"import {module}"], capture_output=True, check=False).returncode == 0:
         return str(py)
     try:
@@ -45,5 +48,5 @@ def peer_version(py: str, package: str) -> str:
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["sglang-router"]:
-        p = peer_python(name)
-        print(name, p, p and peer_version(p, name))
+        p = peer_python(name, "dynamo" if name.startswith("ai-dynamo-runtime") else None)
+        print(name, p, p and peer_version(p, name.split("==")[0]))

@@ -363,6 +363,35 @@ def decode_slow(data: bytes) -> KvEventBatch:
     return decode_event(KvEventBatch, data)
 
 
+def message_parts(data: bytes) -> list[bytes]:
+    """The batches one ``kv.events`` message holds, each still encoded (a binary group holds
+    several; every other message is one). Each part decodes, or is refused, on its own.
+    :class:`schemas.ValidationFailure` when a group's own frame is broken."""
+    if not kv_binary.is_group(data):
+        return [data]
+    try:
+        parts = kv_binary.split(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValidationFailure("KvEventBatch", [{"loc": ("group",), "msg": f"undecodable batch group: {exc}"}]) \
+            from None
+    return parts if parts is not None else [data]
+
+
+def decode_batches(data: bytes) -> list[KvEventBatch]:
+    """Every batch of one ``kv.events`` message (see :func:`message_parts`), all or nothing:
+    :class:`schemas.ValidationFailure` naming the first invalid one."""
+    parts = message_parts(data)
+    if len(parts) == 1:
+        return [decode_batch(parts[0])]
+    out = []
+    for i, p in enumerate(parts):
+        try:
+            out.append(decode_batch(p))
+        except ValidationFailure as exc:
+            raise ValidationFailure("KvEventBatch", [{"loc": ("group", i), "msg": str(exc)}]) from None
+    return out
+
+
 def decode_batch(data: bytes) -> KvEventBatch:
     """Decode one ``kv.events`` message (JSON or binary); raise :class:`schemas.ValidationFailure`
     when invalid."""

@@ -59,10 +59,12 @@ from consumers.index_codec import (  # noqa: F401 - re-exported
     SNAPSHOT_FORMAT,
     _fast_batch,
     decode_batch,
+    decode_batches,
     decode_slow,
     decode_snapshot,
     encode_dump,
     encode_snapshot,
+    message_parts,
 )
 from consumers.index_snapshots import (  # noqa: F401 - re-exported
     _forked_encode,
@@ -492,19 +494,35 @@ class IndexerService:
             return
         self._next_dseq = dseq + 1
         if sseq > self._taken_seq:  # else: a redelivery of something already taken
-            batch, careful, reason = self._decode(msg.subject, msg.data)
-            if reason is not None or careful:
-                self._flush()  # keep the order: everything before it first
-                if reason is not None:
-                    await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, reason, headers=dict(msg.headers or {}),
-                                          stream_seq=sseq)
-                else:
-                    await self._apply_one(batch, msg, sseq)
+            data = msg.data
+            try:
+                parts = message_parts(data)
+            except ValidationFailure as exc:
+                parts, broken = [], str(exc)
+            else:
+                broken = None
+            if broken is not None:
+                self._flush()
+                await self._dlq.send(S.KV_EVENTS, msg.subject, data, broken, headers=dict(msg.headers or {}),
+                                      stream_seq=sseq)
                 self.applied_seq = sseq
                 self._since_snapshot += 1
-            else:
-                self._buf.append(batch)
-                self._buf_seqs.append(sseq)
+            for i, part in enumerate(parts):  # a group's batches one by one, as if sent apart
+                batch, careful, reason = self._decode(msg.subject, part)
+                if reason is not None or careful:
+                    self._flush()  # keep the order: everything before it first
+                    if reason is not None:
+                        if len(parts) > 1:
+                            reason = f"batch {i} of a group of {len(parts)}: {reason}"
+                        await self._dlq.send(S.KV_EVENTS, msg.subject, part, reason,
+                                              headers=dict(msg.headers or {}), stream_seq=sseq)
+                    else:
+                        await self._apply_one(batch, msg, sseq)
+                    self.applied_seq = sseq
+                    self._since_snapshot += 1
+                else:
+                    self._buf.append(batch)
+                    self._buf_seqs.append(sseq)
             self._taken_seq = sseq
         self._last_msg = msg
         self._unacked += 1

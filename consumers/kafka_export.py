@@ -136,7 +136,8 @@ class KafkaExporter:
         else:
             try:
                 if kv_binary.is_binary(msg.data):  # a binary KV batch is exported as its JSON document
-                    payload = kv_binary.to_dict(kv_binary.decode(msg.data))
+                    docs = kv_binary.to_docs(msg.data)  # (a group of batches: the list of them)
+                    payload = docs[0] if len(docs) == 1 and not kv_binary.is_group(msg.data) else docs
                 else:
                     payload = json.loads(msg.data)
             except ValueError:

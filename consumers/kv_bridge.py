@@ -140,7 +140,8 @@ class BridgeMetrics:
         self.frames_replay = 0
         self.stored = 0
         self.removed = 0
-        self.published = 0
+        self.published = 0  # batches
+        self.messages = 0  # JetStream messages (a group holds several batches)
         self.queue_depth = 0
         self.gaps = Counter("infernex_kv_bridge_gaps_total", "sequence gaps, by outcome",
                             ["pod", "outcome"], registry=registry)
@@ -180,10 +181,13 @@ class BridgeMetrics:
         published = CounterMetricFamily("infernex_kv_bridge_published", "batches acknowledged by JetStream",
                                         labels=["pod"])
         published.add_metric([pod], self.published)
-        queue = GaugeMetricFamily("infernex_kv_bridge_queue_depth", "batches waiting to be published",
+        messages = CounterMetricFamily("infernex_kv_bridge_messages", "JetStream messages acknowledged (a group "
+                                       "message carries several batches)", labels=["pod"])
+        messages.add_metric([pod], self.messages)
+        queue = GaugeMetricFamily("infernex_kv_bridge_queue_depth", "messages waiting to be published",
                                   labels=["pod"])
         queue.add_metric([pod], self.queue_depth)
-        return [frames, blocks, published, queue]
+        return [frames, blocks, published, messages, queue]
 
     def describe(self):
         return self.collect()
@@ -203,6 +207,7 @@ class _Item:
     state: int = 0  # 0 in flight, 1 acknowledged, 2 failed
     error: str | None = None
     headers: dict[str, str] | None = None  # besides Nats-Msg-Id (content type, pod, model, epoch, seq)
+    batches: int = 1  # a group message holds several
 
 
 class _Pipe:
@@ -298,8 +303,9 @@ class OrderedPublisher:
     def _done(self, item: _Item) -> None:
         self.acked += 1
         m = self._m
-        m.published += 1
-        if m.published % m.LATENCY_SAMPLE == 0:
+        m.published += item.batches
+        m.messages += 1
+        if m.messages % m.LATENCY_SAMPLE == 0:
             m.lat.observe(time.monotonic() - item.t0)
         m.stored += item.stored
         m.removed += item.removed
@@ -416,12 +422,18 @@ class BridgeConfig:
     gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
     heartbeat_s: float = 10.0  # while the engine is quiet, re-state the last position this often (0 = never)
     encoding: str = "binary"  # on the bus: "binary" (schemas.kv_binary) or "json" (the schema's JSON)
+    # binary: batches that are ready at once (frames already queued on the socket) go out as one
+    # group message of at most this many batches / bytes (1 = a message per batch)
+    group_max: int = 64
+    group_max_bytes: int = 512 * 1024
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
             raise ValueError(f"gap_policy must be one of {', '.join(GAP_POLICIES)}, not {self.gap_policy!r}")
         if self.encoding not in kv_binary.ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(kv_binary.ENCODINGS)}, not {self.encoding!r}")
+        if self.group_max < 1 or self.group_max_bytes < 1:
+            raise ValueError("group_max and group_max_bytes must be at least 1")
 
 
 @dataclass
@@ -446,7 +458,8 @@ async def last_stored_position(js: JetStreamContext, stream: str, subject: str) 
         return None
     try:
         if kv_binary.is_binary(msg.data):
-            w = kv_binary.decode(msg.data)
+            parts = kv_binary.split(msg.data)  # a group: its last batch
+            w = kv_binary.decode(parts[-1] if parts else msg.data)
             return w.epoch, w.seq
         data = msgspec.json.decode(msg.data)
         return int(data["epoch"]), int(data["seq"])
@@ -486,12 +499,15 @@ class KvBridge:
         self._pod, self._model = cfg.pod, cfg.model
         self._decoder = FrameDecoder()
         self._binary = cfg.encoding == "binary"
+        self._group = self._binary and cfg.group_max > 1
+        self._pending: list[tuple[bytes, int, int, float, int, int]] = []  # (data, epoch, seq, t0, stored, removed)
+        self._pending_bytes = 0
         self._last_put = time.monotonic()
         self._hb = 0
         self.ready = asyncio.Event()
 
     def _acked(self, item: _Item) -> None:
-        self.stats.published += 1
+        self.stats.published += item.batches
         self.stats.blocks += item.stored + item.removed
 
     # -- frame handling --
@@ -533,8 +549,35 @@ class KvBridge:
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
                          epoch, seq, norm.ts, events)
         data, hdrs = self._encode(batch)
+        if self._group and hdrs[kv_binary.HDR_CONTENT_TYPE] == kv_binary.CONTENT_TYPE:
+            if self._pending and (len(self._pending) >= self.cfg.group_max
+                                  or self._pending_bytes + len(data) > self.cfg.group_max_bytes):
+                await self.flush()
+            self._pending.append((data, epoch, seq, t0, norm.blocks_stored, norm.blocks_removed))
+            self._pending_bytes += len(data)
+            return
+        await self.flush()  # (a JSON batch: the ones before it first)
         await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0,
                                        norm.blocks_stored, norm.blocks_removed, headers=hdrs))
+
+    async def flush(self) -> None:
+        """Publish the batches held back to be grouped: one as itself, several as one group message
+        (id ``<pod>:<first epoch>:<first seq>-<epoch>:<seq>``, headers naming the last batch)."""
+        p = self._pending
+        if not p:
+            return
+        self._pending, self._pending_bytes = [], 0
+        if len(p) == 1:
+            data, epoch, seq, t0, st, rm = p[0]
+            await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0, st, rm,
+                                           headers=kv_binary.headers(self._pod, self._model, epoch, seq)))
+            return
+        first, last = p[0], p[-1]
+        await self.publisher.put(_Item(
+            self.subject, kv_binary.group([x[0] for x in p]), f"{self._pod}:{first[1]}:{first[2]}-{last[1]}:{last[2]}",
+            first[3], sum(x[4] for x in p), sum(x[5] for x in p),
+            headers=kv_binary.group_headers(self._pod, self._model, last[1], first[2], last[2], len(p)),
+            batches=len(p)))
 
     def _encode(self, batch: OutBatch) -> tuple[bytes, dict[str, str]]:
         """The message body and headers of one batch: binary, or JSON when so configured or when
@@ -559,6 +602,7 @@ class KvBridge:
         t = self.tracker
         if not every or t.last_seq is None or time.monotonic() - self._last_put < every:
             return
+        await self.flush()
         self._hb += 1
         self._last_put = time.monotonic()
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank, t.epoch, t.last_seq, time.time(), [])
@@ -566,8 +610,14 @@ class KvBridge:
         await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{t.epoch}:{t.last_seq}:hb{self._hb}",
                                        self._last_put, headers=hdrs))
 
-    async def handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
-        """Handle one live frame from the SUB socket (public for tests and benches)."""
+    async def handle_frame(self, frames: list[bytes], t0: float | None = None, *, flush: bool = True) -> None:
+        """Handle one live frame from the SUB socket (public for tests and benches). ``flush=False``:
+        more frames are ready, so the batch may wait to be grouped with theirs (:meth:`flush`)."""
+        await self._handle_frame(frames, t0)
+        if flush:
+            await self.flush()
+
+    async def _handle_frame(self, frames: list[bytes], t0: float | None = None) -> None:
         t0 = time.monotonic() if t0 is None else t0
         self.stats.last_frame_at = t0
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -704,9 +754,14 @@ class KvBridge:
                         frames = raw.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    await self.handle_frame(frames, t0)
+                    await self._handle_frame(frames, t0)  # the ones ready together may go as one group
+                await self.flush()
         finally:
             sub.close(linger=0)
+            try:
+                await self.flush()
+            except Exception as exc:  # noqa: BLE001 - stopping anyway; what was not queued is counted below
+                log.warning("kv-bridge %s: %d batches not queued at shutdown (%s)", self._pod, len(self._pending), exc)
             await self.publisher.queue.put(None)
             try:
                 await asyncio.wait_for(sender, timeout=self.cfg.ack_timeout_s * 3)

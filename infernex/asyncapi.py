@@ -56,9 +56,11 @@ def _add_kv_binary(doc: dict) -> dict:
         "title": bin_name,
         "contentType": kv_binary.CONTENT_TYPE,
         "headers": kv_binary.HEADERS_SCHEMA,
-        "payload": {"$ref": "#/components/schemas/KvEventBatchBinary"},
+        "payload": {"oneOf": [{"$ref": "#/components/schemas/KvEventBatchBinary"},
+                              {"$ref": "#/components/schemas/KvEventBatchGroupBinary"}]},
     }
     doc["components"]["schemas"]["KvEventBatchBinary"] = kv_binary.PAYLOAD_SCHEMA
+    doc["components"]["schemas"]["KvEventBatchGroupBinary"] = kv_binary.GROUP_SCHEMA
     channel["messages"]["BinaryMessage"] = {"$ref": f"#/components/messages/{bin_name.replace('{', '%7B').replace('}', '%7D')}"}
     channel["description"] += (f". Payload: the KvEventBatch JSON ({kv_binary.JSON_CONTENT_TYPE}) or its binary "
                                f"encoding ({kv_binary.CONTENT_TYPE}, schemas/kv_binary.py); consumers accept both")

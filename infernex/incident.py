@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from consumers.indexer import decode_batch
+from consumers.indexer import decode_batch, message_parts
 from consumers.replay import ReplayMsg
 from consumers.replay_scope import PodMeta, Scope
 from router.config import RouterConfig
@@ -140,19 +140,14 @@ class ReplayState:
         """Fold a run of messages in store order (what :func:`read_window_batches` yields).
 
         Same as :meth:`apply` one by one; KV batches (most of the history) take a shorter path."""
-        ap, kv, advance = self.apply, self._kv, self._advance
+        ap, advance = self.apply, self._advance
         models = self._models
         for m in msgs:
             if models.get(m.subject) is not KvEventBatch:
                 ap(m)
                 continue
             advance(m.ts)
-            try:
-                batch = decode_batch(m.data)
-            except (ValueError, ValidationFailure) as exc:
-                self._undecodable(m, exc)
-                continue
-            kv(m, batch)
+            self._kv_message(m)
 
     def _model(self, subject: str) -> type:
         model = self._models.get(subject)
@@ -209,6 +204,22 @@ class ReplayState:
                 out.append(e)  # already scoped when recorded (requests, hints), or not attributable
         return sorted(out)
 
+    def _kv_message(self, msg: ReplayMsg) -> None:
+        """A ``kv.events`` message: one batch, or a bridge's group, each batch decoded (or counted
+        undecodable) on its own."""
+        try:
+            parts = message_parts(msg.data)
+        except (ValueError, ValidationFailure) as exc:
+            self._undecodable(msg, exc)
+            return
+        for part in parts:
+            try:
+                batch = decode_batch(part)
+            except (ValueError, ValidationFailure) as exc:
+                self._undecodable(msg, exc)
+                continue
+            self._kv(msg, batch)
+
     def _undecodable(self, msg: ReplayMsg, exc: Exception) -> None:
         self.counts["undecodable"] += 1
         self.undecodable.append((msg.subject, str(exc)[:200]))
@@ -228,12 +239,12 @@ class ReplayState:
             model = self._model(msg.subject)
             # KV batches are most of the history: the indexer's msgspec fast path (pydantic
             # only for payloads it does not accept exactly, which it then validates or names)
-            event = decode_batch(msg.data) if model is KvEventBatch else decode_event(model, msg.data)
+            if model is KvEventBatch:
+                self._kv_message(msg)
+                return
+            event = decode_event(model, msg.data)
         except (ValueError, ValidationFailure) as exc:
             self._undecodable(msg, exc)
-            return
-        if model is KvEventBatch:
-            self._kv(msg, event)
             return
         name = model.__name__
         self.counts[name] += 1

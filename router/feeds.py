@@ -116,33 +116,44 @@ class BusFeeds:
     def _callback(self, stream: str, model, fold):
         kind = model.__name__
         if model is KvEventBatch:
-            from consumers.indexer import decode_batch  # msgspec fast path, pydantic for bad input
+            from consumers.indexer import decode_batch, message_parts  # msgspec fast path, pydantic for bad input
 
-            decode = decode_batch
+            split, decode = message_parts, decode_batch  # one batch, or a bridge's group of them
         else:
+            def split(data: bytes) -> list[bytes]:
+                return [data]
+
             def decode(data: bytes):
                 return decode_event(model, data)
 
         async def cb(msg) -> None:
             try:
-                event = decode(msg.data)
+                parts = split(msg.data)
             except ValidationFailure as exc:
                 await self._dead(stream, msg, str(exc))
                 return
-            try:
-                fold(event)
-            except (ValueError, KeyError) as exc:  # a fold refusing an event is bad input too
-                await self._dead(stream, msg, f"{kind} rejected: {exc}")
-                return
-            self.applied.labels(kind).inc()
+            for i, part in enumerate(parts):  # each batch of a group on its own: a bad one loses nothing else
+                where = f"batch {i} of a group of {len(parts)}: " if len(parts) > 1 else ""
+                try:
+                    event = decode(part)
+                except ValidationFailure as exc:
+                    await self._dead(stream, msg, f"{where}{exc}", part)
+                    continue
+                try:
+                    fold(event)
+                except (ValueError, KeyError) as exc:  # a fold refusing an event is bad input too
+                    await self._dead(stream, msg, f"{where}{kind} rejected: {exc}", part)
+                    continue
+                self.applied.labels(kind).inc()
 
         return cb
 
-    async def _dead(self, stream: str, msg, reason: str) -> None:
+    async def _dead(self, stream: str, msg, reason: str, data: bytes | None = None) -> None:
         subj = msg.subject[len(self.prefix) + 1:] if self.prefix else msg.subject
         log.warning("dead-lettering a message on %s: %s", subj, reason[:200])
         try:
-            await self.dead.send(stream, subj, msg.data, reason, stream_seq=stream_seq_of(msg))
+            await self.dead.send(stream, subj, msg.data if data is None else data, reason,
+                                 stream_seq=stream_seq_of(msg))
         except Exception as exc:  # noqa: BLE001 - the feed must keep going
             log.warning("dead letter publish failed: %s", type(exc).__name__)
 

@@ -202,8 +202,26 @@ class KvEventBatch(Event):
 
         if not kv_binary.is_binary(data):
             return decode_event(cls, data)
+        if kv_binary.is_group(data):
+            raise ValidationFailure(cls.__name__, [{"loc": ("binary",), "msg": "a group of batches, not one: read "
+                                                                             "it with KvEventBatch.all_from_bytes"}])
         try:
             doc = kv_binary.to_dict(kv_binary.decode(data))
         except ValueError as exc:  # msgspec's DecodeError / ValidationError, a ragged array
             raise ValidationFailure(cls.__name__, [{"loc": ("binary",), "msg": str(exc)}]) from None
         return decode_event(cls, doc)
+
+    @classmethod
+    def all_from_bytes(cls, data: bytes) -> list["KvEventBatch"]:
+        """Every batch of a ``kv.events`` message: one, or the batches of a binary group (a bridge
+        sends the batches it has ready at once as one message), each fully validated."""
+        from schemas import kv_binary
+        from schemas.base import ValidationFailure
+
+        if not kv_binary.is_group(data):
+            return [cls.from_bytes(data)]
+        try:
+            parts = kv_binary.split(data) or [data]
+        except ValueError as exc:
+            raise ValidationFailure(cls.__name__, [{"loc": ("group",), "msg": str(exc)}]) from None
+        return [cls.from_bytes(p) for p in parts]

@@ -18,6 +18,12 @@ little-endian unsigned integers, so a consumer maps them straight into arrays)::
     reset   = ["x", reason]
     gone    = ["g", reason]
 
+A bridge that has several batches of one pod ready at once sends them as one message, a group
+(what the batches would be one by one, in order; the headers name the last batch, plus
+:data:`HDR_FIRST_SEQ` and :data:`HDR_BATCHES`)::
+
+    group   = ["kvg", [batch, batch, ...]]
+
 The rules are the JSON schema's (:mod:`schemas.kv`): at least one block hash, ``token_ids``
 holding ``len(block_hashes) * block_size`` ids (or none when ``block_keys`` is given), one
 salt / key per block. Token ids must fit 32 bits here: a batch with larger ones is sent as
@@ -45,7 +51,10 @@ HDR_POD = "Infernex-Pod"
 HDR_MODEL = "Infernex-Model"
 HDR_EPOCH = "Infernex-Epoch"
 HDR_SEQ = "Infernex-Seq"
+HDR_FIRST_SEQ = "Infernex-First-Seq"
+HDR_BATCHES = "Infernex-Batches"
 BATCH_TAG = "kv1"
+GROUP_TAG = "kvg"
 ENCODINGS = ("binary", "json")
 
 _LITTLE = sys.byteorder == "little"
@@ -101,8 +110,15 @@ class WBatch(msgspec.Struct, tag=BATCH_TAG, array_like=True, gc=False):
     events: list[WEvent]
 
 
+class WGroupRaw(msgspec.Struct, tag=GROUP_TAG, array_like=True, gc=False):
+    """A group with its batches still encoded: each is decoded (and, if invalid, refused) alone."""
+    batches: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
+
+
 _decoder = msgspec.msgpack.Decoder(WBatch)
+_any_decoder = msgspec.msgpack.Decoder(Union[WBatch, WGroupRaw])
 _encoder = msgspec.msgpack.Encoder()
+_GROUP_HEAD = _encoder.encode(GROUP_TAG)
 
 
 def is_binary(data: bytes) -> bool:
@@ -165,6 +181,33 @@ def encode(batch: Any) -> bytes:
     return _encoder.encode(to_wire(batch))
 
 
+def group(encoded: list[bytes]) -> bytes:
+    """One message holding the batches ``encoded`` (each :func:`encode`'s output), in order: the
+    bytes are joined under a msgpack header, not re-encoded."""
+    n = len(encoded)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return b"".join((b"\x92", _GROUP_HEAD, head, *encoded))
+
+
+def split(data: bytes) -> list[bytes] | None:
+    """The encoded batches of a group message, or None when ``data`` is one batch.
+    ``msgspec.DecodeError`` / ``ValidationError`` when it is neither."""
+    w = _any_decoder.decode(data)
+    if type(w) is WGroupRaw:
+        return [bytes(r) for r in w.batches]
+    return None
+
+
+def is_group(data: bytes) -> bool:
+    """Cheap test on the first bytes: a ``["kvg", ...]`` message."""
+    return data[:1] == b"\x92" and data[1:1 + len(_GROUP_HEAD)] == _GROUP_HEAD
+
+
 def decode(data: bytes) -> WBatch:
     """The wire struct; ``msgspec.DecodeError`` / ``ValidationError`` (both ``ValueError``s)
     when ``data`` is not a valid message of this encoding. Array fields are memoryviews into
@@ -214,10 +257,26 @@ def to_dict(w: WBatch) -> dict[str, Any]:
             "epoch": w.epoch, "seq": w.seq, "ts": w.ts, "events": events}
 
 
+def to_docs(data: bytes) -> list[dict[str, Any]]:
+    """Every batch of a binary message (one, or a group's) as its JSON document, in order.
+    ``ValueError`` when the message is not valid in this encoding."""
+    parts = split(data)
+    return [to_dict(decode(p)) for p in parts] if parts is not None else [to_dict(decode(data))]
+
+
 def headers(pod: str, model: str, epoch: int, seq: int, content_type: str = CONTENT_TYPE) -> dict[str, str]:
     """The NATS headers of one ``kv.events`` message."""
     return {HDR_CONTENT_TYPE: content_type, HDR_POD: pod, HDR_MODEL: model, HDR_EPOCH: str(epoch),
             HDR_SEQ: str(seq)}
+
+
+def group_headers(pod: str, model: str, epoch: int, first_seq: int, seq: int, n: int) -> dict[str, str]:
+    """The headers of a group: the last batch's position (where a restarted bridge continues), the
+    first batch's sequence and how many batches it holds."""
+    h = headers(pod, model, epoch, seq)
+    h[HDR_FIRST_SEQ] = str(first_seq)
+    h[HDR_BATCHES] = str(n)
+    return h
 
 
 # --- the contract as JSON Schema (for the AsyncAPI document) -------------------------------------
@@ -258,6 +317,15 @@ PAYLOAD_SCHEMA: dict[str, Any] = {
     ],
 }
 
+#: a group of batches in one message (the bridge's form when several are ready at once)
+GROUP_SCHEMA: dict[str, Any] = {
+    "title": "KvEventBatchGroupBinary",
+    "description": "Several KvEventBatches of one pod in one message, in order (schemas/kv_binary.py).",
+    "type": "array",
+    "items": [{"const": GROUP_TAG}, {"type": "array", "minItems": 1,
+                                     "items": {"$ref": "#/components/schemas/KvEventBatchBinary"}}],
+}
+
 #: the headers every kv.events message carries (the binary ones always; the bridge sets them on JSON too)
 HEADERS_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -265,11 +333,15 @@ HEADERS_SCHEMA: dict[str, Any] = {
         HDR_CONTENT_TYPE: {"type": "string", "enum": [CONTENT_TYPE, JSON_CONTENT_TYPE]},
         HDR_POD: {"type": "string"}, HDR_MODEL: {"type": "string"},
         HDR_EPOCH: {"type": "string", "pattern": "^[0-9]+$"}, HDR_SEQ: {"type": "string", "pattern": "^[0-9]+$"},
-        "Nats-Msg-Id": {"type": "string", "description": "<pod>:<epoch>:<seq> (de-duplication)"},
+        HDR_FIRST_SEQ: {"type": "string", "pattern": "^[0-9]+$", "description": "groups: the first batch's seq"},
+        HDR_BATCHES: {"type": "string", "pattern": "^[0-9]+$", "description": "groups: how many batches"},
+        "Nats-Msg-Id": {"type": "string", "description": "<pod>:<epoch>:<seq> (de-duplication); a group: "
+                                                         "<pod>:<first epoch>:<first seq>-<epoch>:<seq>"},
     },
 }
 
 
-__all__ = ["BATCH_TAG", "CONTENT_TYPE", "HEADERS_SCHEMA", "PAYLOAD_SCHEMA", "ENCODINGS", "HDR_CONTENT_TYPE", "HDR_EPOCH", "HDR_MODEL", "HDR_POD",
+__all__ = ["BATCH_TAG", "GROUP_TAG", "HDR_BATCHES", "HDR_FIRST_SEQ", "group", "group_headers", "is_group", "split", "to_docs",
+           "CONTENT_TYPE", "GROUP_SCHEMA", "HEADERS_SCHEMA", "PAYLOAD_SCHEMA", "ENCODINGS", "HDR_CONTENT_TYPE", "HDR_EPOCH", "HDR_MODEL", "HDR_POD",
            "HDR_SEQ", "JSON_CONTENT_TYPE", "WBatch", "WCleared", "WEvent", "WGone", "WRemoved", "WReset",
            "WStored", "decode", "encode", "headers", "is_binary", "pack", "to_dict", "to_wire", "unpack"]

@@ -46,5 +46,5 @@ async def test_cli_bridge_publishes_batches(nats_server, prefix, nc, topology):
         out = _stop(proc)
         pub.close()
     assert "bridge stopped" in out
-    last = KvEventBatch.from_bytes((await js.get_last_msg(stream, subject)).data)
+    last = KvEventBatch.all_from_bytes((await js.get_last_msg(stream, subject)).data)[-1]
     assert last.pod == "cli-pod" and last.model == "m1" and last.epoch == 0

@@ -75,7 +75,7 @@ async def test_nats_restart_loses_nothing(tmp_path):
             except Exception:  # noqa: BLE001 - no more messages
                 break
             for m in msgs:
-                got.append(KvEventBatch.from_bytes(m.data))
+                got.extend(KvEventBatch.all_from_bytes(m.data))
                 await m.ack()
         seqs = [b.seq for b in got]
         assert sorted(seqs) == list(range(total))  # every batch, once

@@ -43,6 +43,20 @@ async def publish_until_joined(pub, bridge, make=stored):
         await asyncio.sleep(0.05)
 
 
+def expand(m) -> list:
+    """``(id, batch)`` per batch of a stored message; a group's batches get the id each would have
+    had alone, after checking the group's own id and headers name exactly its first and last batch."""
+    batches = KvEventBatch.all_from_bytes(m.data)
+    mid = m.headers.get("Nats-Msg-Id")
+    if len(batches) == 1 and "Infernex-Batches" not in m.headers:
+        return [(mid, batches[0])]
+    first, last = batches[0], batches[-1]
+    assert mid == f"{first.pod}:{first.epoch}:{first.seq}-{last.epoch}:{last.seq}"
+    assert m.headers["Infernex-Batches"] == str(len(batches)) and m.headers["Infernex-Seq"] == str(last.seq)
+    assert m.headers["Infernex-First-Seq"] == str(first.seq) and m.headers["Infernex-Epoch"] == str(last.epoch)
+    return [(f"{b.pod}:{b.epoch}:{b.seq}", b) for b in batches]
+
+
 async def collect(js, stream, subject, n, timeout=30.0):
     sub = await js.pull_subscribe(subject, durable="checker", stream=stream)
     out = []
@@ -53,14 +67,15 @@ async def collect(js, stream, subject, n, timeout=30.0):
         except Exception:  # noqa: BLE001 - fetch timeout: poll again
             continue
         for m in msgs:
-            out.append((m.headers.get("Nats-Msg-Id"), KvEventBatch.from_bytes(m.data)))
+            out.extend(expand(m))
             await m.ack()
     # nothing more should arrive (every batch exactly once)
     try:
         extra = await sub.fetch(10, timeout=1.0)
     except Exception:  # noqa: BLE001
         extra = []
-    out.extend((m.headers.get("Nats-Msg-Id"), KvEventBatch.from_bytes(m.data)) for m in extra)
+    for m in extra:
+        out.extend(expand(m))
     return out
 
 

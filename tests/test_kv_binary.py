@@ -325,3 +325,144 @@ def test_bridge_cli_runs_on_uvloop_and_refuses_an_unknown_encoding():
     r = CliRunner().invoke(app, ["bridge", "vllm-kv", "--endpoint", "tcp://127.0.0.1:1", "--pod", "p", "--model",
                                  "m", "--encoding", "xml"])
     assert r.exit_code == 2 and "binary or json" in r.output
+
+
+# ------------------------------------------------------------------ groups: several batches, one message
+
+def test_group_round_trip_and_tools():
+    batches = [_rich_batch(seq) for seq in range(3, 40)]  # > 15: the 16-bit msgpack array header too
+    data = kv_binary.group([kv_binary.encode(b) for b in batches])
+    assert kv_binary.is_binary(data) and kv_binary.is_group(data)
+    assert not kv_binary.is_group(kv_binary.encode(batches[0]))
+    assert kv_binary.split(kv_binary.encode(batches[0])) is None
+    assert [_plain(decode_batch(p)) for p in kv_binary.split(data)] == [_plain(b) for b in batches]
+    assert KvEventBatch.all_from_bytes(data) == batches  # full validation, every batch
+    with pytest.raises(ValidationFailure, match="all_from_bytes"):
+        KvEventBatch.from_bytes(data)
+    assert [d["seq"] for d in kv_binary.to_docs(data)] == list(range(3, 40))
+    from infernex.commands.backbone import format_event
+
+    lines = format_event("kv.events.m.p", data, 5, raw=True).splitlines()
+    assert len(lines) == len(batches) and all(ln.startswith("[5] kv.events.m.p {") for ln in lines)
+    with pytest.raises(ValidationFailure, match="group"):
+        from consumers.index_codec import message_parts
+
+        message_parts(b"\x92\xa3kvg\x93\x01")  # a group frame cut short
+
+
+async def _publish_grouped(js, prefix, batches, rng, poison_at: int | None = None):
+    """Runs of one pod's consecutive batches as group messages (as the bridge sends them); with
+    ``poison_at``, that group also carries one corrupt batch. Returns (last ack, messages sent)."""
+    ack, sent, i = None, 0, 0
+    while i < len(batches):
+        pod = batches[i].pod
+        run = [batches[i]]
+        while i + len(run) < len(batches) and len(run) < rng.randint(1, 6) and batches[i + len(run)].pod == pod:
+            run.append(batches[i + len(run)])
+        parts = [kv_binary.encode(b) for b in run]
+        if poison_at is not None and sent == poison_at:
+            parts.insert(1, msgspec.msgpack.encode(["kv1", 1, "p0"]))  # well-formed msgpack, not a batch
+        first, last = run[0], run[-1]
+        subject = S.with_prefix(prefix, S.kv_events(first.model, pod))
+        if len(parts) == 1:
+            hdrs = kv_binary.headers(pod, first.model, first.epoch, first.seq)
+            hdrs["Nats-Msg-Id"] = first.msg_id
+        else:
+            hdrs = kv_binary.group_headers(pod, first.model, last.epoch, first.seq, last.seq, len(parts))
+            hdrs["Nats-Msg-Id"] = f"{pod}:{first.epoch}:{first.seq}-{last.epoch}:{last.seq}"
+        ack = await js.publish(subject, kv_binary.group(parts) if len(parts) > 1 else parts[0], headers=hdrs)
+        sent += 1
+        i += len(run)
+    return ack, sent
+
+
+async def test_every_consumer_reads_groups_and_a_bad_batch_in_one_loses_nothing_else(nats_config, topology, nc,
+                                                                                       prefix):
+    from consumers.indexer import IndexerConfig, IndexerService
+    from consumers.replay import read_window
+    from infernex.incident import ReplayState
+    from router.config import RouterConfig
+    from router.feeds import BusFeeds
+    from router.state import ClusterState
+
+    js = nc.jetstream()
+    dlq = await js.subscribe(S.with_prefix(prefix, S.dead_letter(S.KV_EVENTS)), ordered_consumer=True)
+    batches = _workload(120, seed=11)
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches)
+    svc = IndexerService(IndexerConfig(http_port=None, nats_query=False, durable="ix-grp",
+                                       snapshot_every_events=10_000), nats_config, registry=CollectorRegistry())
+    await svc.start()
+    registry = CollectorRegistry()
+    embedded = KvIndex(ManualClock())
+    feeds = BusFeeds(nc, ClusterState(RouterConfig()), prefix=prefix, index=embedded, registry=registry)
+    await feeds.start()
+    try:
+        ack, sent = await _publish_grouped(js, prefix, batches, random.Random(5), poison_at=3)
+        assert sent < len(batches)  # groups were formed
+        await _wait(lambda: svc.applied_seq >= ack.seq, what="indexer caught up")
+        assert svc.index == truth  # every good batch applied, in order, once
+        letter = json.loads((await dlq.next_msg(timeout=10)).data)
+        assert "batch 1 of a group" in letter["reason"] and len(letter["payload"]) < 200  # just the bad batch
+
+        def kv_applied() -> float:
+            return registry.get_sample_value("infernex_router_feed_messages_total", {"kind": "KvEventBatch"}) or 0
+
+        await _wait(lambda: kv_applied() >= len(batches), what="router feed caught up")
+        assert embedded == truth
+    finally:
+        await feeds.stop()
+        await svc.stop()
+        try:
+            await js.delete_object_store(svc.bucket)
+        except Exception:  # noqa: BLE001
+            pass
+    st = ReplayState()
+    msgs = [m async for m in read_window(nc, topology, ["kv.events.>"], prefix=prefix)]
+    assert len(msgs) == sent
+    st.apply_many(msgs)
+    assert st.index == truth and len(st.undecodable) == 1
+
+
+async def test_bridge_groups_frames_that_arrive_together(nats_config, topology, nc, prefix):
+    """Frames already queued when the bridge reads go out as one group message; the indexer folds
+    it to the same index as the frames sent one by one; a lone frame is a plain batch."""
+    js = nc.jetstream()
+    subject = S.with_prefix(prefix, S.kv_events("m", "pod-g"))
+    frames = fx.frames("0.33.0")
+    reg = CollectorRegistry()
+    bridge = KvBridge(BridgeConfig(endpoint="tcp://127.0.0.1:1", pod="pod-g", model="m", recover=False,
+                                   group_max=5), nc, subject_prefix=prefix, registry=reg)
+    await bridge.publisher.start()
+    sender = asyncio.create_task(bridge.publisher.run())
+    for seq, f in enumerate(frames):
+        await bridge.handle_frame([b"kv", seq.to_bytes(8, "big"), f.payload], flush=False)
+    await bridge.flush()
+    n = len(frames)
+    await bridge.handle_frame([b"kv", n.to_bytes(8, "big"), frames[0].payload])  # alone: no group
+    await bridge.publisher.put(None)
+    await asyncio.wait_for(sender, 10)
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    msgs = []
+    while True:
+        try:
+            msgs.append(await sub.next_msg(timeout=1))
+        except Exception:  # noqa: BLE001 - no more
+            break
+    await sub.unsubscribe()
+    sizes = [int(m.headers.get(kv_binary.HDR_BATCHES, "1")) for m in msgs]
+    assert sum(sizes) == n + 1 and max(sizes) == 5 and sizes[-1] == 1  # groups of at most 5, the lone one alone
+    assert len(msgs) == -(-n // 5) + 1
+    got = [b for m in msgs for b in KvEventBatch.all_from_bytes(m.data)]
+    assert [b.seq for b in got] == list(range(n + 1))
+    assert reg.get_sample_value("infernex_kv_bridge_published_total", {"pod": "pod-g"}) == n + 1
+    assert reg.get_sample_value("infernex_kv_bridge_messages_total", {"pod": "pod-g"}) == len(msgs)
+    # the same frames, one message each, fold to the same index
+    alone = KvIndex(ManualClock())
+    dec = FrameDecoder()
+    for seq, f in enumerate([*frames, frames[0]]):
+        norm = dec.decode(f.payload)
+        alone.apply(decode_batch(kv_binary.encode(OutBatch("pod-g", "m", 0, 0, seq, norm.ts, norm.events))))
+    grouped = KvIndex(ManualClock())
+    grouped.apply_many(got)
+    assert grouped == alone

@@ -137,6 +137,12 @@ def format_event(subject: str, data: bytes, seq: int | None, raw: bool) -> str:
     head = f"[{seq}] " if seq is not None else ""
     from schemas import kv_binary
 
+    if kv_binary.is_group(data):  # several batches in one message: a line each
+        try:
+            parts = kv_binary.split(data) or [data]
+        except ValueError as exc:
+            return f"{head}{subject} <undecodable binary group: {exc}> {data[:200]!r}"
+        return "\n".join(format_event(subject, p, seq, raw) for p in parts)
     if raw:
         if kv_binary.is_binary(data):  # binary KV batches are shown as their JSON, never as msgpack bytes
             try:

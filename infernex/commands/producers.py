@@ -68,8 +68,12 @@ def bridge_vllm_kv(
     encoding: str = typer.Option("binary", "--encoding",
                                  help="KV batches on the bus: binary (packed arrays, "
                                       "application/vnd.infernex.kv+msgpack) or json (the schema's JSON)"),
+    group_max: int = typer.Option(64, "--group-max", min=1,
+                                  help="binary: batches ready at once go out as one group message of at most "
+                                       "this many (1 = a message per batch)"),
 ) -> None:
-    """Subscribe to a vLLM KV-event stream and publish one message per batch."""
+    """Subscribe to a vLLM KV-event stream and publish its batches to JetStream (a message per batch,
+    or per group of batches that were ready at once)."""
     from prometheus_client import CollectorRegistry
 
     from consumers.health import Health
@@ -83,7 +87,8 @@ def bridge_vllm_kv(
     registry = CollectorRegistry()
     health = Health(f"kv-bridge {pod}")
     cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
-                       dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding)
+                       dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding,
+                       group_max=group_max)
 
     async def go():
         await _serve_health(metrics_port, registry, health, metrics_host)
