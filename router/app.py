@@ -27,7 +27,8 @@ class RouterApp:
         self.registry = registry or CollectorRegistry()
         self.clock = clock or SystemClock()
         self.state = ClusterState(cfg, clock=self.clock)
-        self.index = KvIndex(self.clock, default_block_size=cfg.block_size)
+        self.index = KvIndex(self.clock, default_block_size=cfg.block_size,
+                             predict_on_route_ttl_s=cfg.route_prediction_ttl_s)
         self.nc = None
         self.feeds = None
         self.records = None
