@@ -37,6 +37,16 @@ DEFAULT_TRACE = Path(ROOT).parent / "shared" / "traces" / "mooncake_synthetic_tr
 MODEL = "bench-model"
 
 
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process and its waited-for children so far (0 where /proc has none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in parts[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,6 +144,9 @@ async def main_async(args) -> None:
                                                    e.core.stats.prefix_cache_queries)) for h in cluster.engines}
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hog)]
+        if hogs:
+            print(f"{len(hogs)} CPU hog process(es) running")
         for rnd in range(args.rounds):
             order = routers if rnd % 2 == 0 else list(reversed(routers))
             for name in order:
@@ -156,11 +169,13 @@ async def main_async(args) -> None:
                     await wait_ready(url)
                     await asyncio.sleep(1.5)  # load state from the metrics collector
                     s0 = stats()
+                    cpu0 = _cpu_seconds(proc.pid)  # start-up (imports, JIT warm-up) left out
                     t = time.monotonic()
                     res = await replay(rows, url, model=MODEL, time_scale=1.0 / args.time_scale, prompt_mode="text",
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
                     s1 = stats()
+                    cpu = _cpu_seconds(proc.pid) - cpu0
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     try:
@@ -174,6 +189,7 @@ async def main_async(args) -> None:
                 ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
                 e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
+                       "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1),
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50), "wall": wall}
                 results[name].append(row)
@@ -186,7 +202,8 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.2f}s  ({wall:.0f}s wall, load {os.getloadavg()[0]:.1f})", flush=True)
+                      f"{row['e2e50']:.2f}s  router CPU {row['cpu_ms_per_req']:.2f} ms/req ({wall:.0f}s wall, load "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)
         print("medians over rounds:")
         for name, rs in results.items():
             if not rs:
@@ -196,8 +213,10 @@ async def main_async(args) -> None:
                 return statistics.median(r[k] for r in rs)
 
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
-                  f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.2f}s")
+                  f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.2f}s  router CPU {med('cpu_ms_per_req'):.2f} ms/req")
     finally:
+        for h in locals().get("hogs", []):
+            h.kill()
         stop.set()
         for t in tasks:
             t.cancel()
@@ -219,6 +238,8 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=8.0)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cpu-hog", type=int, default=0,
+                    help="processes spinning on the CPU during every run (a busy machine, the same for every router)")
     ap.add_argument("-r", "--router", action="append", default=None,
                     help="infernex strategy (name or YAML) or sglang:POLICY; repeat")
     asyncio.run(main_async(ap.parse_args()))

@@ -77,7 +77,7 @@ class RouterConfig(_S):
     tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
     block_size: int = Field(default=16, gt=0)
     route_prediction_ttl_s: float = Field(
-        default=2.0, gt=0, description="strategies with an 'approximate' prefix scorer: how long a request's "
+        default=30.0, gt=0, description="strategies with an 'approximate' prefix scorer: how long a request's "
         "blocks count as cached on the engine it was routed to before that engine's KV events say so (cover "
         "the engine's queueing: its events come only once the prefill ran)")
     kv_snapshot: str | None = Field(

@@ -268,6 +268,7 @@ def load_chat_template(directory: Path) -> ChatTemplate | None:
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
 _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
+_NON_WORD = re.compile(r"[^\w\s]")  # a piece without any of these splits at whitespace exactly as _WORD_RE does
 _CHUNK = 256  # characters per memoized piece (cut at the next whitespace)
 
 
@@ -329,9 +330,12 @@ class SimpleTokenizer:
     def _encode_piece(self, piece: str) -> list[int]:
         ids = self._memo.get(piece)
         if ids is None:
-            words = self._words
-            tfw = self.token_for_word
-            ids = [words.get(w) or tfw(w) for w in _WORD_RE.findall(piece)]
+            # words only (the usual text): str.split is several times cheaper than the regex
+            ws = _WORD_RE.findall(piece) if _NON_WORD.search(piece) else piece.split()
+            ids = list(map(self._words.get, ws))
+            if None in ids:  # words not seen before
+                tfw = self.token_for_word
+                ids = [t if t is not None else tfw(w) for t, w in zip(ids, ws)]
             if len(self._memo) >= self._memo_max:
                 self._memo.clear()  # bounded; a cold start costs one plain tokenization
             self._memo[piece] = ids

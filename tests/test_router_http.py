@@ -370,3 +370,27 @@ schedulingProfiles:
         await app.stop(drain=False)
         for e in engines:
             await e.stop()
+
+
+def test_route_predictions_outlive_the_engines_queue_on_pods_that_send_events():
+    """An engine's KV events come only once the prefill ran, which under load is seconds after the
+    route: a routed prompt counts as predicted on its pod for ``route_prediction_ttl_s`` (30 s by
+    default), also on pods whose exact events the index has, then expires."""
+    from router.app import RouterApp
+    from schemas.kv import BlockStored, KvEventBatch
+    from streams.clock import ManualClock
+
+    clock = ManualClock(1000.0)
+    app = RouterApp(RouterConfig(bus=False, records=False), clock=clock)
+    assert app.index.predict_on_route_ttl_s == 30.0
+    ix = app.index
+    ix.apply(KvEventBatch(pod="a", model="m", seq=0, ts=1000.0,
+                          events=[BlockStored(block_hashes=[1], token_ids=list(range(16)), block_size=16)]))
+    toks = list(range(100, 164))
+    ix.record_route("m", "a", token_ids=toks)
+    clock.set(1020.0)  # queueing: still no events for these blocks
+    assert ix.match_tokens("m", toks)["a"].predicted_blocks == 4
+    clock.set(1031.0)
+    assert "a" not in ix.match_tokens("m", toks) or ix.match_tokens("m", toks)["a"].matched_blocks == 0
+    short = RouterApp(RouterConfig(bus=False, records=False, route_prediction_ttl_s=2.0), clock=clock)
+    assert short.index.predict_on_route_ttl_s == 2.0
