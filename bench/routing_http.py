@@ -118,6 +118,7 @@ async def main_async(args) -> None:
     cluster = None
     nc = None
     results: dict[str, list[dict]] = {r: [] for r in routers}
+    hogs: list[subprocess.Popen] = []
     try:
         server.start()
         nats_cfg = NatsConfig(servers=[server.url])
@@ -144,7 +145,7 @@ async def main_async(args) -> None:
                                                    e.core.stats.prefix_cache_queries)) for h in cluster.engines}
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hog)]
+        hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hog))
         if hogs:
             print(f"{len(hogs)} CPU hog process(es) running")
         for rnd in range(args.rounds):
@@ -215,7 +216,7 @@ async def main_async(args) -> None:
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.2f}s  router CPU {med('cpu_ms_per_req'):.2f} ms/req")
     finally:
-        for h in locals().get("hogs", []):
+        for h in hogs:
             h.kill()
         stop.set()
         for t in tasks:
