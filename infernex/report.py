@@ -147,13 +147,7 @@ def plot_timeline(runs: dict[str, list], *, lag_limit_s: float | None = None) ->
         bottom.axhline(lag_limit_s, color="red", lw=0.8, ls="--", label=f"validity limit {lag_limit_s:g} s")
         bottom.legend(fontsize=7, ncol=5)
     bottom.set_xlabel("scheduled send time in the run (s)", fontsize=8)
-    for ax in (top, bottom):
-        ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig, (top, bottom))
 
 
 def plot_pd_loop(intervals: list, *, interval_s: float, attainment_goal: float | None = None) -> bytes:
@@ -185,7 +179,14 @@ def plot_pd_loop(intervals: list, *, interval_s: float, attainment_goal: float |
     att.set_ylim(0, 105)
     att.set_ylabel("SLA attainment\n(%)", fontsize=8)
     att.set_xlabel("virtual time (minutes)", fontsize=8)
-    for ax in (load, reps, att):
+    return _png(fig, (load, reps, att))
+
+
+def _png(fig, axes) -> bytes:
+    """Small tick labels, tight layout, the figure as PNG bytes at 100 dpi (and closed)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     buf = io.BytesIO()

@@ -196,6 +196,13 @@ async def _wait(cond, timeout=20.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+async def _feed_caught_up(registry, n: int) -> None:
+    def kv_applied() -> float:
+        return registry.get_sample_value("infernex_router_feed_messages_total", {"kind": "KvEventBatch"}) or 0
+
+    await _wait(lambda: kv_applied() >= n, what="router feed caught up")
+
+
 async def test_indexer_reads_a_mixed_stream_and_dead_letters_bad_binary(nats_config, topology, nc, prefix):
     from consumers.indexer import IndexerConfig, IndexerService
 
@@ -240,10 +247,7 @@ async def test_router_feed_and_replay_read_both_encodings(nc, prefix, topology):
     feeds = BusFeeds(nc, ClusterState(RouterConfig()), prefix=prefix, index=embedded, registry=registry)
     await feeds.start()
     try:
-        def kv_applied() -> float:
-            return registry.get_sample_value("infernex_router_feed_messages_total", {"kind": "KvEventBatch"}) or 0
-
-        await _wait(lambda: kv_applied() >= len(batches), what="router feed caught up")
+        await _feed_caught_up(registry, len(batches))
         assert embedded == truth
     finally:
         await feeds.stop()
@@ -405,10 +409,7 @@ async def test_every_consumer_reads_groups_and_a_bad_batch_in_one_loses_nothing_
         letter = json.loads((await dlq.next_msg(timeout=10)).data)
         assert "batch 1 of a group" in letter["reason"] and len(letter["payload"]) < 200  # just the bad batch
 
-        def kv_applied() -> float:
-            return registry.get_sample_value("infernex_router_feed_messages_total", {"kind": "KvEventBatch"}) or 0
-
-        await _wait(lambda: kv_applied() >= len(batches), what="router feed caught up")
+        await _feed_caught_up(registry, len(batches))
         assert embedded == truth
     finally:
         await feeds.stop()
