@@ -39,6 +39,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -277,7 +278,7 @@ class SimpleTokenizer:
 
     No special tokens: ``add_special_tokens`` changes nothing. A token never spans whitespace,
     so the text is cut at whitespace into ~256-character pieces tokenized on their own and
-    memoized (bounded); a prompt sharing a prefix with an earlier one re-tokenizes only the rest.
+    memoized (least recently used evicted first); a prompt sharing a prefix with an earlier one re-tokenizes only the rest.
     """
 
     RESERVED = 16  # ids below this are never produced from text
@@ -328,17 +329,21 @@ class SimpleTokenizer:
         return tid
 
     def _encode_piece(self, piece: str) -> list[int]:
-        ids = self._memo.get(piece)
-        if ids is None:
-            # words only (the usual text): str.split is several times cheaper than the regex
-            ws = _WORD_RE.findall(piece) if _NON_WORD.search(piece) else piece.split()
-            ids = list(map(self._words.get, ws))
-            if None in ids:  # words not seen before
-                tfw = self.token_for_word
-                ids = [t if t is not None else tfw(w) for t, w in zip(ids, ws)]
-            if len(self._memo) >= self._memo_max:
-                self._memo.clear()  # bounded; a cold start costs one plain tokenization
-            self._memo[piece] = ids
+        memo = self._memo
+        ids = memo.pop(piece, None)
+        if ids is not None:
+            memo[piece] = ids  # most recently used last: eviction takes the oldest first
+            return ids
+        # words only (the usual text): str.split is several times cheaper than the regex
+        ws = _WORD_RE.findall(piece) if _NON_WORD.search(piece) else piece.split()
+        ids = list(map(self._words.get, ws))
+        if None in ids:  # words not seen before
+            tfw = self.token_for_word
+            ids = [t if t is not None else tfw(w) for t, w in zip(ids, ws)]
+        if len(memo) >= self._memo_max:  # bounded: the least recently used quarter goes
+            for k in list(islice(memo, max(1, self._memo_max // 4))):
+                del memo[k]
+        memo[piece] = ids
         return ids
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
