@@ -13,13 +13,16 @@ indexer process (``IndexerService`` on uvloop, as ``infernex indexer`` runs it) 
   from the first send to the indexer having applied the last batch, and CPU per stored block by
   process (bridges, nats-server, indexer; from /proc);
 * paced: ``--rate`` frames/s in total for ``--seconds``, each frame stamped with its send time;
-  lag = indexer apply time - that stamp, every batch recorded (p50 / p99 / max).
+  lag = indexer apply time - that stamp, every batch recorded (p50 / p99 / max); meanwhile an HTTP
+  query to the indexer every ``--query-every`` s (p50 / p99), and the same queries for 1.5 s with
+  nothing ingesting just before, for the client's and the HTTP stack's own share.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import multiprocessing as mp
 import os
@@ -29,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +65,49 @@ def _frames(rng: random.Random, n: int, stored: int, removed: int, block_size: i
         if removed:
             events.append(block_removed(rng.sample(pool, removed)))
         out.append(encode_batch(events, ts=time.time() if ts is None else ts))
+    return out
+
+
+def _query_loop(url: str, stop, out: list, args) -> None:
+    """``POST /v1/index/query`` every ``--query-every`` seconds until ``stop``; each latency into ``out``.
+    The query is the token ids of one of the publisher's frames (its chains start from a parent the
+    index has not seen, so nothing matches: the cost measured is the HTTP round trip, the request's
+    block keys and the lookup, on the indexer's loop while it ingests)."""
+    toks = _frames(random.Random(11), 1, args.stored, 0, args.block_size, ts=1.0)
+    import msgpack
+
+    ids = msgpack.unpackb(toks[0], strict_map_key=False)
+    ids = next(iter(_token_ids(ids)))
+    body = json.dumps({"model": MODEL, "token_ids": ids}).encode()
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=5)  # keep-alive, the lightest client at hand
+    hdrs = {"Content-Type": "application/json"}
+    try:
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                c.request("POST", "/v1/index/query", body=body, headers=hdrs)
+                r = c.getresponse()
+                r.read()
+                if r.status == 200:
+                    out.append(time.perf_counter() - t)
+            except (OSError, http.client.HTTPException):
+                c.close()
+                c = http.client.HTTPConnection(host, int(port), timeout=5)
+            stop.wait(args.query_every)
+    finally:
+        c.close()
+
+
+def _token_ids(batch) -> list:
+    """The token id lists of a decoded vLLM batch (map or array events)."""
+    events = batch["events"] if isinstance(batch, dict) else batch[1]
+    out = []
+    for e in events:
+        if isinstance(e, dict) and e.get("token_ids"):
+            out.append(e["token_ids"])
+        elif isinstance(e, list) and e and e[0] == "BlockStored":
+            out.append(e[3])
     return out
 
 
@@ -342,12 +389,25 @@ async def one_run(encoding: str, args) -> dict:
             res = {"encoding": encoding, "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
                    "cpu_us_per_block": {k: (c1[k] - c0[k]) / stored * 1e6 for k in c0}}
             res["cpu_us_per_block"]["all"] = sum(res["cpu_us_per_block"].values())
-            # paced
+            # paced, with HTTP queries to the indexer meanwhile (a thread: the wait below blocks)
             await asyncio.sleep(1.0)
             t_paced = time.time()
             base = await _metric(http, "infernex_indexer_batches_total")
+            idle_stop, idle_lat = threading.Event(), []  # the same queries with nothing ingesting, first
+            it = threading.Thread(target=_query_loop, args=(f"http://127.0.0.1:{ix_port}", idle_stop, idle_lat, args),
+                                  daemon=True)
+            it.start()
+            await asyncio.sleep(1.5)
+            idle_stop.set()
+            it.join(10)
+            q_stop, q_lat = threading.Event(), []
+            qt = threading.Thread(target=_query_loop, args=(f"http://127.0.0.1:{ix_port}", q_stop, q_lat, args),
+                                  daemon=True)
+            qt.start()
             cmds.put("paced")
             sent = done.get(timeout=args.seconds * 3 + 60)
+            q_stop.set()
+            qt.join(10)
             deadline = time.monotonic() + 30
             while await _metric(http, "infernex_indexer_batches_total") < base + sent and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -362,6 +422,10 @@ async def one_run(encoding: str, args) -> dict:
             print(f"  ({warned} bridge warnings, e.g. "
                   f"{next(iter(l for i in range(args.pods) for l in open(Path(tmp) / f'bridge-{i}.log')), '')[:160]!r})",
                   flush=True)
+        for key, lat in (("query_ms", q_lat), ("query_idle_ms", idle_lat)):
+            if lat:
+                q = sorted(lat)
+                res[key] = {"n": len(q), "p50": q[len(q) // 2] * 1e3, "p99": q[min(len(q) - 1, int(len(q) * 0.99))] * 1e3}
         if lags:
             res["lag_ms"] = {"n": len(lags), "p50": lags[len(lags) // 2] * 1e3,
                              "p99": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3, "max": lags[-1] * 1e3}
@@ -395,6 +459,7 @@ def main() -> None:
     ap.add_argument("--removed", type=int, default=8, help="blocks removed per frame")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rate", type=float, default=1000.0, help="paced phase: frames/s in total")
+    ap.add_argument("--query-every", type=float, default=0.01, help="paced phase: an HTTP query this often (s)")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--encodings", default="json,binary1,binary",
@@ -430,7 +495,10 @@ def main() -> None:
                   f"{res['wall_s']:.2f}s, {res['lost']:.0f} frames lost); CPU us/block all {cpu['all']:.2f} (bridges {cpu['bridges']:.2f}, "
                   f"nats {cpu['nats-server']:.2f}, indexer {cpu['indexer']:.2f}); lag at {args.rate:.0f}/s "
                   f"p50 {lag.get('p50', float('nan')):.1f} p99 {lag.get('p99', float('nan')):.1f} "
-                  f"max {lag.get('max', float('nan')):.1f} ms", flush=True)
+                  f"max {lag.get('max', float('nan')):.1f} ms; HTTP query p50 "
+                  f"{res.get('query_ms', {}).get('p50', float('nan')):.2f} p99 "
+                  f"{res.get('query_ms', {}).get('p99', float('nan')):.2f} ms (idle p50 "
+                  f"{res.get('query_idle_ms', {}).get('p50', float('nan')):.2f} ms)", flush=True)
     print("\nmedians:")
     med = {}
     for e, rs in results.items():
@@ -439,10 +507,14 @@ def main() -> None:
             m[k] = statistics.median(r["cpu_us_per_block"][k] for r in rs)
         m["lag_p99"] = statistics.median(r.get("lag_ms", {}).get("p99", float("nan")) for r in rs)
         m["lag_p50"] = statistics.median(r.get("lag_ms", {}).get("p50", float("nan")) for r in rs)
+        m["q_p50"] = statistics.median(r.get("query_ms", {}).get("p50", float("nan")) for r in rs)
+        m["q_p99"] = statistics.median(r.get("query_ms", {}).get("p99", float("nan")) for r in rs)
+        m["q_idle"] = statistics.median(r.get("query_idle_ms", {}).get("p50", float("nan")) for r in rs)
         med[e] = m
         print(f"  {e:6s}: {m['blocks_per_s']:,.0f} blocks/s; CPU us/block all {m['all']:.2f} (bridges "
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
-              f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms")
+              f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms; HTTP query while paced p50 {m['q_p50']:.2f} ms "
+              f"p99 {m['q_p99']:.2f} ms (idle p50 {m['q_idle']:.2f} ms)")
     for e in ("binary", "binary1", "json"):
         if "dynamo" in med and e in med:
             d, b = med["dynamo"], med[e]
