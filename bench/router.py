@@ -139,7 +139,9 @@ async def sequential(urls, n):
     return lat
 
 
-async def concurrent(url, clients, total):
+async def concurrent(url, clients, total, lat: list | None = None):
+    """``clients`` workers sending ``total`` requests flat out; req/s and errors. ``lat`` gets each
+    request's latency (seconds)."""
     done = 0
     errors = 0
 
@@ -147,10 +149,13 @@ async def concurrent(url, clients, total):
         nonlocal done, errors
         while done + errors < total:
             done += 1
+            t0 = time.perf_counter()
             async with s.post(url + "/v1/completions", json=BODIES[done % len(BODIES)]) as r:
                 await r.read()
                 if r.status != 200:
                     errors += 1
+            if lat is not None:
+                lat.append(time.perf_counter() - t0)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         t = time.perf_counter()
@@ -270,16 +275,18 @@ async def main_async(args):
         for rep in range(args.rounds):  # interleaved rounds: each router flat out in turn, medians
             for label, rurl, pid in (live if rep % 2 == 0 else live[::-1]):
                 c0 = cpu_seconds(pid)
-                rps, errs = await concurrent(rurl, args.concurrency, args.requests)
-                rows[label].append((rps, errs, (cpu_seconds(pid) - c0) / args.requests * 1e6))
+                clat: list[float] = []
+                rps, errs = await concurrent(rurl, args.concurrency, args.requests, clat)
+                rows[label].append((rps, errs, (cpu_seconds(pid) - c0) / args.requests * 1e6, pct(clat, 99)))
         for label, rurl, pid in live:
             r50, r99 = pct(lat[label], 50), pct(lat[label], 99)
             runs = sorted(rows[label])
-            rps, errs, cpu_us = runs[len(runs) // 2]
+            rps, errs, cpu_us, _ = runs[len(runs) // 2]
+            p99c = sorted(x[3] for x in rows[label])[len(runs) // 2]
             spread = f" [{', '.join(f'{x[0]:,.0f}' for x in rows[label])}]" if args.rounds > 1 else ""
             print(f"{label:<26} p50 {r50 * 1e3:.3f} ms  p99 {r99 * 1e3:.3f} ms | added p50 "
                   f"{(r50 - d50) * 1e3:.3f} ms  p99 {(r99 - d99) * 1e3:.3f} ms | {args.concurrency} clients: "
-                  f"{rps:,.0f} req/s{spread} ({errs} errors), router CPU {cpu_us:.0f} us/req")
+                  f"{rps:,.0f} req/s{spread} ({errs} errors), p99 {p99c * 1e3:.2f} ms, router CPU {cpu_us:.0f} us/req")
         drps, _ = await concurrent(urls[0], args.concurrency, args.requests)
         print(f"direct to one backend, {args.concurrency} clients: {drps:,.0f} req/s")
     finally:
