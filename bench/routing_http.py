@@ -1,7 +1,8 @@
 """Routing quality over HTTP: our router and sglang-router on the same simulated engines, interleaved.
 
     PYTHONPATH=. python -P bench/routing_http.py [--trace FILE] [--skip 3000] [--requests 400]
-        [--engines 8] [--time-scale 8] [--rounds 2] [-r kv-aware -r kv-aware-prefill -r sglang:cache_aware]
+        [--engines 8] [--time-scale 8] [--rounds 2] [-r kv-aware -r kv-aware-prefill -r sglang:cache_aware
+        -r vllm:kv_aware] [--cpu-hog N]
 
 One process hosts an embedded NATS JetStream, ``--engines`` simulated vLLM engines (their KV events
 go through a KV bridge each, their /metrics through the metrics collector) and the trace client
@@ -9,7 +10,9 @@ go through a KV bridge each, their /metrics through the metrics collector) and t
 arrival times compressed ``--time-scale`` times, the engines running that much faster). Every
 router runs in its own process against the same engines: ``infernex router`` (strategy name or
 YAML, KV state and load from the bus, tokenizing the text like the engines) and sglang-router
-(``sglang:POLICY``; from a cache venv made by bench/peers.py). Before each run the engines'
+(``sglang:POLICY``; from a cache venv made by bench/peers.py) and vllm-router (``vllm:POLICY``; its
+binary from the wheel, in a cache venv made by bench/vllm_router_kv.py; ``kv_aware`` subscribes to
+every engine's ZMQ KV events and replay socket itself). Before each run the engines'
 prefix caches are emptied; runs are interleaved, ``--rounds`` times. Reported per run: prefix
 hit rate as the engines count it, request spread (max/mean finished requests per engine), TTFT
 p50/p90 and E2E p50 (client side, wall seconds).
@@ -53,11 +56,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _peers():
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "bench", "peers.py"))
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _peers():
+    return _bench_module("peers")
 
 
 async def wait_ready(url: str, timeout: float = 90.0) -> None:
@@ -101,6 +108,15 @@ async def main_async(args) -> None:
     rows = [type(r)(timestamp=r.timestamp - t0, input_length=r.input_length,
                     output_length=min(r.output_length, args.max_output_tokens), hash_ids=r.hash_ids) for r in rows]
     routers = args.router or ["kv-aware", "kv-aware-prefill", "sglang:cache_aware"]
+    vr_exe = None
+    if any(r.startswith("vllm:") for r in routers):
+        try:
+            vr = _bench_module("vllm_router_kv")
+            vr_exe = vr.router_binary(args.vllm_router_version)
+            print(f"vllm-router {args.vllm_router_version} ({vr_exe})")
+        except Exception as exc:  # noqa: BLE001 - no registry, no wheel: the bench goes on without it
+            print(f"vllm-router: cannot install ({exc}), skipped")
+            routers = [r for r in routers if not r.startswith("vllm:")]
     sg_py = None
     if any(r.startswith("sglang:") for r in routers):
         peers = _peers()
@@ -155,7 +171,16 @@ async def main_async(args) -> None:
                     h.call(lambda e: (e.core.reset_prefix_cache(), e._flush_events(e.core.take_pending_events())))
                 await asyncio.sleep(1.0)  # the cleared caches reach the bus
                 port = free_port()
-                if name.startswith("sglang:"):
+                if name.startswith("vllm:"):  # its kv_aware policy reads the engines' own KV events (ZMQ)
+                    cmd = [str(vr_exe), "--host", "127.0.0.1", "--port", str(port), "--policy", name.split(":", 1)[1],
+                           "--worker-urls", *[h.url for h in cluster.engines], "--kv-event-block-size",
+                           str(cluster.engines[0].call(lambda e: e.core.block_size)), "--kv-event-model", MODEL,
+                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                           "--log-level", "warning"]
+                    for h in cluster.engines:
+                        cmd += ["--kv-event-source", f"{h.url}={h.kv_endpoint}", "--kv-event-replay-source",
+                                f"{h.url}={h.replay_endpoint}"]
+                elif name.startswith("sglang:"):
                     cmd = [sg_py, "-m", "sglang_router.launch_router", "--worker-urls", *[h.url for h in cluster.engines],
                            "--policy", name.split(":", 1)[1], "--port", str(port),
                            "--prometheus-port", str(free_port()), "--log-level", "warn"]
@@ -239,10 +264,11 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=8.0)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm-router-version", default="0.1.17", help="for vllm:POLICY routers (PyPI vllm-router)")
     ap.add_argument("--cpu-hog", type=int, default=0,
                     help="processes spinning on the CPU during every run (a busy machine, the same for every router)")
     ap.add_argument("-r", "--router", action="append", default=None,
-                    help="infernex strategy (name or YAML) or sglang:POLICY; repeat")
+                    help="infernex strategy (name or YAML), sglang:POLICY or vllm:POLICY; repeat")
     asyncio.run(main_async(ap.parse_args()))
 
 
