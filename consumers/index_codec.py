@@ -377,21 +377,6 @@ def message_parts(data: bytes) -> list[bytes]:
     return parts if parts is not None else [data]
 
 
-def decode_batches(data: bytes) -> list[KvEventBatch]:
-    """Every batch of one ``kv.events`` message (see :func:`message_parts`), all or nothing:
-    :class:`schemas.ValidationFailure` naming the first invalid one."""
-    parts = message_parts(data)
-    if len(parts) == 1:
-        return [decode_batch(parts[0])]
-    out = []
-    for i, p in enumerate(parts):
-        try:
-            out.append(decode_batch(p))
-        except ValidationFailure as exc:
-            raise ValidationFailure("KvEventBatch", [{"loc": ("group", i), "msg": str(exc)}]) from None
-    return out
-
-
 def decode_batch(data: bytes) -> KvEventBatch:
     """Decode one ``kv.events`` message (JSON or binary); raise :class:`schemas.ValidationFailure`
     when invalid."""

@@ -59,7 +59,6 @@ from consumers.index_codec import (  # noqa: F401 - re-exported
     SNAPSHOT_FORMAT,
     _fast_batch,
     decode_batch,
-    decode_batches,
     decode_slow,
     decode_snapshot,
     encode_dump,
@@ -494,16 +493,12 @@ class IndexerService:
             return
         self._next_dseq = dseq + 1
         if sseq > self._taken_seq:  # else: a redelivery of something already taken
-            data = msg.data
             try:
-                parts = message_parts(data)
-            except ValidationFailure as exc:
-                parts, broken = [], str(exc)
-            else:
-                broken = None
-            if broken is not None:
+                parts = message_parts(msg.data)
+            except ValidationFailure as exc:  # a group's own frame is broken: the whole message is bad
+                parts = []
                 self._flush()
-                await self._dlq.send(S.KV_EVENTS, msg.subject, data, broken, headers=dict(msg.headers or {}),
+                await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, str(exc), headers=dict(msg.headers or {}),
                                       stream_seq=sseq)
                 self.applied_seq = sseq
                 self._since_snapshot += 1

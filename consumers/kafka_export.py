@@ -137,7 +137,7 @@ class KafkaExporter:
             try:
                 if kv_binary.is_binary(msg.data):  # a binary KV batch is exported as its JSON document
                     docs = kv_binary.to_docs(msg.data)  # (a group of batches: the list of them)
-                    payload = docs[0] if len(docs) == 1 and not kv_binary.is_group(msg.data) else docs
+                    payload = docs if kv_binary.is_group(msg.data) else docs[0]
                 else:
                     payload = json.loads(msg.data)
             except ValueError:

@@ -620,9 +620,8 @@ async def _pd_loop(cfg: DemoConfig, store, console) -> dict:
     console.print(f"  [bold]PD sizing loop[/bold] (virtual time): pool {LOOP_POOL!r} starts 1P3D, load ramps 1 -> 6 req/s "
                   f"of 6k-10k-token prompts over {n} intervals of {dt:g} s; the planner reads the SLA history from "
                   "ClickHouse and its hints resize prefill and decode")
-    lines: list[str] = []
     rep = await asyncio.to_thread(lambda: asyncio.run(run_loop(
-        store, intervals=n, interval_s=dt, targets=targets, log=lines.append)))
+        store, intervals=n, interval_s=dt, targets=targets, log=None)))  # the report shows every interval
     hints = int(store.rows(f"SELECT count() AS n FROM {store.database}.scaling_hints "
                           f"WHERE pool = '{LOOP_POOL}'")[0]["n"])
     ivs = rep.intervals

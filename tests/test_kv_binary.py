@@ -467,3 +467,26 @@ async def test_bridge_groups_frames_that_arrive_together(nats_config, topology, 
     grouped = KvIndex(ManualClock())
     grouped.apply_many(got)
     assert grouped == alone
+
+
+def test_kafka_envelope_of_a_group_lists_its_batches():
+    """The Kafka mirror's envelope shows a binary batch as its JSON document, and a group as the
+    list of its batches' documents, in order."""
+    from types import SimpleNamespace
+
+    from consumers.kafka_export import KafkaExportConfig, KafkaExporter
+    from schemas.config import NatsConfig
+
+    exp = KafkaExporter(KafkaExportConfig(bootstrap="127.0.0.1:1", subjects=("kv.events.>",), value_format="envelope"),
+                        NatsConfig())
+    batches = [_rich_batch(seq) for seq in (4, 5, 6)]
+
+    def envelope(data: bytes) -> dict:
+        meta = SimpleNamespace(stream="KV_EVENTS", sequence=SimpleNamespace(stream=9), timestamp=None)
+        msg = SimpleNamespace(subject="kv.events.m.pod-a", headers={}, data=data, metadata=meta)
+        return json.loads(exp._record(msg)[2])
+
+    grouped = envelope(kv_binary.group([kv_binary.encode(b) for b in batches]))["payload"]
+    assert [d["seq"] for d in grouped] == [4, 5, 6] and grouped[0]["pod"] == "pod-a"
+    single = envelope(kv_binary.encode(batches[0]))["payload"]
+    assert single["seq"] == 4 and single["events"][0]["block_hashes"] == [1, U64, 1 << 63]
