@@ -469,15 +469,12 @@ def main() -> None:
                     help="python of a venv with ai-dynamo-runtime (adds Dynamo's standalone indexer to the rounds); "
                          "auto: bench/peers.py's cached venv, created on first use; none: leave Dynamo out")
     args = ap.parse_args()
-    if args.dynamo_python == "auto":
-        from bench.peers import peer_python
-
-        args.dynamo_python = peer_python("ai-dynamo-runtime==1.6.1", "dynamo", venv="ai-dynamo-runtime")
-    elif args.dynamo_python == "none":
-        args.dynamo_python = None
     if args.role == "indexer":
         indexer_role(args.url, args.lag_file, args.port)
         return
+    from bench.peers import dynamo_python
+
+    args.dynamo_python = dynamo_python(args.dynamo_python)
     encs = args.encodings.split(",")
     if args.dynamo_python:
         out = subprocess.run([args.dynamo_python, "-c", "import importlib.metadata as m; "

@@ -14,7 +14,7 @@ restore by applying it, for the final state and for twice as many pods (>= 1M po
 a side-by-side summary with Dynamo's figures from the same job.
 
     /work/venv/bin/python bench/kv_index.py [--events 200000] [--queries 20000]
-        [--dynamo-python /tmp/dynamo-venv/bin/python]
+        [--dynamo-python auto|none|PYTHON]
 
 Dynamo (``ai-dynamo-runtime``, ``dynamo.llm.RadixTree``) pins an older pydantic, so it runs in
 its own venv as a subprocess fed the same workload (engine hashes + our block keys as its
@@ -151,7 +151,9 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--queries", type=int, default=20_000)
     ap.add_argument("--chunk", type=int, default=2_000, help="events generated per timed chunk")
-    ap.add_argument("--dynamo-python", default=None, help="python of a venv with ai-dynamo-runtime")
+    ap.add_argument("--dynamo-python", default="auto",
+                    help="python of a venv with ai-dynamo-runtime; auto: bench/peers.py's cached venv, created on "
+                         "first use; none: leave Dynamo out")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--service", action="store_true",
                     help="instead: through JetStream into the indexer service (embedded nats-server)")
@@ -167,8 +169,10 @@ def main() -> None:
         asyncio.run(service_bench(args))
         return
 
+    from bench.peers import dynamo_python
     from consumers.indexer import decode_batch
 
+    args.dynamo_python = dynamo_python(args.dynamo_python)
     dyn_file = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) if args.dynamo_python else None
 
     def ingest(decoded: bool):

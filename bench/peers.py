@@ -40,6 +40,19 @@ def peer_python(package: str, module: str | None = None, *, venv: str | None = N
     return str(py)
 
 
+DYNAMO = "ai-dynamo-runtime==1.6.1"  # the Dynamo release the recorded figures were measured against
+
+
+def dynamo_python(arg: str | None) -> str | None:
+    """A bench's ``--dynamo-python``: ``auto`` (the default) is this cache's venv with
+    :data:`DYNAMO`, created on first use; ``none`` (or None) leaves Dynamo out; else a python path."""
+    if arg in (None, "none", ""):
+        return None
+    if arg == "auto":
+        return peer_python(DYNAMO, "dynamo", venv="ai-dynamo-runtime")
+    return arg
+
+
 def peer_version(py: str, package: str) -> str:
     out = subprocess.run([py, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
                          capture_output=True, text=True, check=False)

@@ -8,9 +8,10 @@ P=${2:-python}
 BIN=$(dirname "$(command -v "$P")")
 cd "$ROOT"
 run() { name=$1; shift; echo "== $name: $* (start $(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg))" > "$OUT/$name.txt"; ( time "$@" ) >> "$OUT/$name.txt" 2>&1; echo "== end $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/$name.txt"; }
-DYN=()
-[ -x /tmp/dynamo-venv/bin/python ] && DYN=(--dynamo-python /tmp/dynamo-venv/bin/python)
-run kv "$P" -P bench/kv_index.py --events 200000 --queries 20000 "${DYN[@]}"
+# peers (ai-dynamo-runtime, sglang-router, vllm-router) come from bench/peers.py's cache venvs, made on first use
+run kv "$P" -P bench/kv_index.py --events 200000 --queries 20000
+run ingest "$P" bench/ingest_path.py --runs 3 --pods 4 --frames 6000 --seconds 8
+run agreement "$P" bench/index_agreement.py
 run router "$P" -P bench/router.py
 run router-long "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3
 run tokenizer "$P" -P bench/tokenizer_speed.py
