@@ -117,7 +117,8 @@ def redecide(stages: list[RoutingDecision], *, strategy: Strategy | str | None =
             wrappers.append(w)
     router = Router(strat, seed=0, default_block_size=inputs.block_size)
     req = request_from_inputs(first.model, first.request_id, inputs)
-    dec = router.decide(req, backends_from_inputs(inputs), None, inputs.now, overlap=dict(inputs.overlap))
+    dec = router.decide(req, backends_from_inputs(inputs), None, inputs.now, overlap=dict(inputs.overlap),
+                          predicted=dict(inputs.predicted))
     return dec, any(w.forced for w in wrappers)
 
 

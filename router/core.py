@@ -17,9 +17,11 @@ from streams.kv_keys import request_salt
 _EMPTY_STATUS = {"model-filter": "no_model", "not-busy-filter": "busy"}
 
 
-def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool) -> dict[str, int]:
+def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool,
+                        predicted: dict[str, int] | None = None) -> dict[str, int]:
     """Prefix blocks each pod could reuse for ``req``, from a KvIndex-like view (PodMatch objects
-    or plain ints).
+    or plain ints). ``approximate`` counts the blocks predicted from this router's own routing
+    too; ``predicted`` (a dict) then receives, per pod, how many of its blocks are only predicted.
 
     As vLLM's scheduler: at most ``len(prompt) - 1`` tokens are reused (the last prompt token is
     always computed, so a prompt of whole blocks reuses one block less), under the request's LoRA
@@ -43,8 +45,11 @@ def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool)
             out[pod] = m
             continue
         n = int(getattr(m, "matched_blocks", 0) or 0)  # exact and predicted blocks
+        p = int(getattr(m, "predicted_blocks", 0) or 0)
         if not approximate:
-            n -= int(getattr(m, "predicted_blocks", 0) or 0)
+            n -= p
+        elif p and predicted is not None:
+            predicted[pod] = p
         if n:
             out[pod] = n
     return out
@@ -77,7 +82,7 @@ class Router:
 
     def decide(self, request: RoutingRequest, backends: Sequence[BackendState], index_view: Any = None,
                now: float = 0.0, *, overlap: dict[str, int] | None = None, load_epoch: int | None = None,
-               queued: bool | None = None) -> Decision:
+               queued: bool | None = None, predicted: dict[str, int] | None = None) -> Decision:
         """Run the strategy. ``queued``: whether a refused request would wait in admission's queue
         (default: :attr:`admission`); the endpoint picker has no queue and passes False. ``load_epoch``: a number the caller changes whenever any backend's load or
         health fields (waiting, running, kv_usage, cpu/mem utilisation, health, GPU blocks) change
@@ -85,10 +90,11 @@ class Router:
         for the same candidates. Without it (simulations, tests) every column is computed."""
         st = self.strategy
         bs = self.block_size(index_view, request.model)
+        predicted = dict(predicted) if predicted else {}  # (given with a recorded overlap: replay)
         if overlap is None:
-            overlap = overlaps_from_index(index_view, request, st.approximate) if st.needs_overlap else {}
+            overlap = overlaps_from_index(index_view, request, st.approximate, predicted) if st.needs_overlap else {}
         nblocks = len(request.keys) if (request.token_ids is None and request.keys) else request.prompt_tokens // bs
-        ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, rng=self.rng, now=now,
+        ctx = Ctx(request_blocks=nblocks, block_size=bs, overlap=overlap, predicted=predicted, rng=self.rng, now=now,
                   prompt_tokens=request.prompt_tokens, load_epoch=load_epoch, backends=backends,
                   admission=self.admission if queued is None else queued)
         cands = list(backends)
@@ -149,9 +155,10 @@ class Router:
                 status = _EMPTY_STATUS.get(f.type_name, "no_backend")
                 why = {"no_model": f"no backend serves model {req.model!r}",
                        "busy": "all backends are busy"}.get(status, f"no backend left after filter {f.name!r}")
-                return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, why), status
+                return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, why, predicted=ctx.predicted), status
         if not cands:
-            return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, "no backends known"), "no_backend"
+            return StageResult(stage, [], filtered, {}, [], ctx.overlap, None, "no backends known",
+                               predicted=ctx.predicted), "no_backend"
         columns: dict[str, list[float]] = {}
         cols = []
         epoch = ctx.load_epoch
@@ -175,4 +182,4 @@ class Router:
         i = prof.picker.pick(cands, totals, ctx)
         picked = cands[i]
         return StageResult(stage, cands, filtered, columns, totals, ctx.overlap, picked, "", i, prof.picker.name,
-                           ctx.request_blocks), "ok"
+                           ctx.request_blocks, ctx.predicted), "ok"

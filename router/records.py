@@ -93,7 +93,7 @@ def strategy_settings(strategy) -> dict[str, Any]:
 
 
 def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], list[tuple]], now: float,
-                    block_size: int, overlap: dict[str, int]) -> dict[str, Any]:
+                    block_size: int, overlap: dict[str, int], predicted: dict[str, int] | None = None) -> dict[str, Any]:
     """A :class:`schemas.records.DecisionInputs` mapping from what :meth:`router.core.Router.decide`
     read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form."""
     static, volatile = backends
@@ -107,11 +107,14 @@ def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], 
         # the prompt's reusable blocks as the index keys them (at most len-1 tokens, as the router reads)
         keys = list(block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
                                salt=request_salt(request.cache_salt)))
-    return {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
+    out = {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
             "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
             "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,
             "overlap": dict(overlap), "prefix_keys": keys,
             "backends": {"columns": BACKEND_FIELDS, "rows": rows}}
+    if predicted:
+        out["predicted"] = dict(predicted)
+    return out
 
 
 def decision_json(*, request_id: str, ts: float, pool: str, model: str, profile: str, stage,

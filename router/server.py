@@ -1132,7 +1132,8 @@ class RouterService:
                 inputs = None
                 if first and captured is not None:
                     inputs = decision_inputs(strategy=strategy, request=rreq, exclude=exclude, backends=captured[0],
-                                             now=captured[1], block_size=d.block_size, overlap=st.overlap)
+                                             now=captured[1], block_size=d.block_size, overlap=st.overlap,
+                                             predicted=st.predicted)
                 return decision_json(request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile,
                                      stage=st, inputs=inputs)
 

@@ -94,6 +94,7 @@ class StageResult:
     picked_index: int = -1
     picker: str = ""
     request_blocks: int = 0
+    predicted: dict[str, int] = field(default_factory=dict)  # pod -> of its overlap, blocks only predicted
 
     @property
     def reason(self) -> str:

@@ -69,6 +69,8 @@ class DecisionInputs(BaseModel):
     exclude: list[str] = Field(default_factory=list)
     block_size: int = 16
     overlap: dict[str, int] = Field(default_factory=dict, description="pod -> reusable prefix blocks (KV index)")
+    predicted: dict[str, int] = Field(default_factory=dict, description="pod -> of its overlap, the blocks "
+                                      "only predicted from the router's own routing (approximate prefix mode)")
     prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index)")
     backends: list[BackendInput] = Field(default_factory=list, description="on the wire also the compact form "
                                          "{columns: [field, ...], rows: [[value, ...], ...]}")

@@ -200,6 +200,32 @@ def test_kv_aware_prefers_the_pod_holding_the_prefix_and_explains():
     assert "p5" in d.reason and "overlap 4/4" in d.reason
 
 
+class PredictingIndex(FakeIndex):
+    """Index view whose pods hold ``(matched, of which predicted)`` blocks of every prompt."""
+
+    def match_tokens(self, model, token_ids, pods=None):
+        from types import SimpleNamespace
+
+        return {p: SimpleNamespace(matched_blocks=m, predicted_blocks=pr) for p, (m, pr) in self.held.items()}
+
+
+def test_kv_aware_counts_predicted_blocks_below_reported_ones():
+    from router.plugins.scorers import PREDICTED_WORTH
+
+    backends = [B("guessed"), B("reported"), B("none")]  # a tie would go to the first
+    r = Router("kv-aware", seed=1)
+    d = r.decide(REQ, backends, PredictingIndex({"reported": (4, 0), "guessed": (4, 4)}))
+    cand = {c.pod: c for c in d.stages[0].candidates()}
+    assert d.target.pod == "reported"  # the same prefix, reported by the engine, beats a guess
+    assert cand["reported"].scores["prefix"] == 1.0
+    assert cand["guessed"].scores["prefix"] == pytest.approx(PREDICTED_WORTH) and PREDICTED_WORTH < 1.0
+    assert cand["none"].scores["prefix"] == 0.0
+    # a guess alone still steers the request: the engine it was just sent to, before its events come
+    d = r.decide(REQ, backends, PredictingIndex({"guessed": (4, 4)}))
+    assert d.target.pod == "guessed" and d.chosen_overlap_blocks == 4
+    assert d.stages[0].predicted == {"guessed": 4}
+
+
 def test_kv_aware_balances_when_the_holder_is_loaded():
     backends = [B("hot", waiting=30, active_tokens=5000, kv_usage=0.8), B("cold")]
     d = Router("kv-aware", seed=1).decide(REQ, backends, FakeIndex({"hot": 1}))

@@ -20,6 +20,7 @@ class Ctx:
     request_blocks: int = 0
     block_size: int = 16
     overlap: dict[str, int] = field(default_factory=dict)  # pod -> prefix blocks cached there
+    predicted: dict[str, int] = field(default_factory=dict)  # pod -> of those, blocks only predicted (approximate)
     rng: random.Random = field(default_factory=random.Random)
     now: float = 0.0
     stage: str = "aggregated"

@@ -31,6 +31,10 @@ def _relative_low_is_good(values: list[float]) -> list[float]:
     return [1.0 - (v - lo) * inv for v in values]
 
 
+PREDICTED_WORTH = 0.9  # a predicted block's share of the prefix score of a block the engine reported
+PREDICTED_DISCOUNT = 1.0 - PREDICTED_WORTH
+
+
 class PrefixParams(_P):
     mode: Literal["exact", "approximate"] = "exact"
 
@@ -40,7 +44,10 @@ class PrefixScorer(Scorer):
     """Share of the prompt's blocks already cached on the backend (from the KV index).
 
     ``exact`` counts blocks the engines reported (KV events); ``approximate`` also counts
-    blocks predicted from the router's own routing history (no events needed).
+    blocks predicted from the router's own routing history (no events needed), each worth
+    :data:`PREDICTED_WORTH` of a reported one: a guess keeps a conversation on the engine it
+    was just sent to while that engine's events are late, and a reported copy of the same
+    prefix elsewhere wins a tie.
     """
 
     type_name = "prefix-scorer"
@@ -54,6 +61,10 @@ class PrefixScorer(Scorer):
             return [0.0] * len(cands)
         get = ov.get
         inv = 1.0 / n
+        pred = ctx.predicted
+        if pred:
+            ov = {p: v - PREDICTED_DISCOUNT * pred.get(p, 0) for p, v in ov.items()}
+            get = ov.get
         if max(ov.values()) > n:  # more cached than asked (approximate keys): clip to 1
             return [x if x < 1.0 else 1.0 for x in [get(b.pod, 0) * inv for b in cands]]
         return [get(b.pod, 0) * inv for b in cands]
