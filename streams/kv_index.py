@@ -304,7 +304,7 @@ class _Ops:
 
 class _Pod:
     __slots__ = ("name", "slot", "bit", "model", "epoch", "seq", "last_event_ts", "last_seen",
-                 "pred_exp", "exact")
+                 "pred_exp", "pred_max", "exact")
 
     def __init__(self, name: str, slot: int):
         self.name = name
@@ -315,7 +315,8 @@ class _Pod:
         self.seq: int | None = None
         self.last_event_ts: float | None = None
         self.last_seen: float | None = None
-        self.pred_exp: dict[tuple[str, int], float] = {}  # (model, key) -> expiry
+        self.pred_exp: dict[str, dict[int, float]] = {}  # model -> key -> expiry
+        self.pred_max = 0.0  # the latest expiry written to pred_exp
         self.exact = False  # has sent KV events
 
 
@@ -467,15 +468,16 @@ class KvIndex:
 
     def _clear_predictions(self, pod: _Pod) -> None:
         nb = ~pod.bit
-        for (model, key) in pod.pred_exp:
+        for model, pe in pod.pred_exp.items():
             m = self._models.get(model)
             if m is None:
                 continue
-            v = m.pred.get(key, 0) & nb
-            if v:
-                m.pred[key] = v
-            else:
-                m.pred.pop(key, None)
+            for key in pe:
+                v = m.pred.get(key, 0) & nb
+                if v:
+                    m.pred[key] = v
+                else:
+                    m.pred.pop(key, None)
         pod.pred_exp.clear()
 
     def remove_pod(self, pod: str) -> None:
@@ -797,10 +799,16 @@ class KvIndex:
         pred = m.pred
         bit = p.bit
         pred.update(zip(keys, map(or_, map(pred.get, keys, repeat(0)), repeat(bit))))
-        pe = p.pred_exp
-        for k in keys:
-            if pe.get((model, k), 0.0) < exp:
-                pe[(model, k)] = exp
+        pe = p.pred_exp.get(model)
+        if pe is None:
+            pe = p.pred_exp[model] = {}
+        if exp >= p.pred_max:  # later than every expiry the pod holds: one bulk update
+            pe.update(zip(keys, repeat(exp)))
+            p.pred_max = exp
+        else:
+            for k in keys:
+                if pe.get(k, 0.0) < exp:
+                    pe[k] = exp
         self._pred_n += 1
         heapq.heappush(self._pred_heap, (exp, self._pred_n, pod, model, keys))
 
@@ -812,12 +820,14 @@ class KvIndex:
             m = self._models.get(model)
             if p is None or m is None:
                 continue
-            pe = p.pred_exp
+            pe = p.pred_exp.get(model)
+            if pe is None:
+                continue
             nb = ~p.bit
             for k in keys:
-                e = pe.get((model, k))
+                e = pe.get(k)
                 if e is not None and e <= now:
-                    del pe[(model, k)]
+                    del pe[k]
                     v = m.pred.get(k, 0) & nb
                     if v:
                         m.pred[k] = v
@@ -985,7 +995,7 @@ class KvIndex:
                 blocks = {t: row[i] for i, t in enumerate(m.tiers) if row[i]}
             out[name] = PodInfo(
                 pod=name, model=p.model, blocks=blocks,
-                predicted_blocks=len(p.pred_exp), epoch=p.epoch, seq=p.seq, last_event_ts=p.last_event_ts,
+                predicted_blocks=sum(map(len, p.pred_exp.values())), epoch=p.epoch, seq=p.seq, last_event_ts=p.last_event_ts,
                 last_seen=p.last_seen, live=live)
         return out
 

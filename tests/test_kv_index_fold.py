@@ -207,6 +207,31 @@ def test_predictions_merge_and_expire():
     assert idx.pods()["x"].predicted_blocks == 0
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from("xy"), st.integers(1, 6), st.sampled_from([1.0, 5.0, 30.0]),
+                          st.sampled_from([0.0, 0.5, 2.0, 7.0])), min_size=1, max_size=30))
+def test_predictions_expire_as_the_latest_route_says(routes):
+    """Routes with mixed TTLs (a shorter one after a longer one keeps the longer expiry): the
+    predicted blocks always equal a reference that keeps each (pod, block)'s latest expiry."""
+    clock = ManualClock()
+    idx = KvIndex(clock, default_block_size=BS)
+    ref: dict[tuple[str, int], float] = {}
+    prompt = toks(1, 2, 3, 4, 5, 6)
+    for pod, n, ttl, wait in routes:
+        idx.record_route("m", pod, prompt[: n * BS], ttl_s=ttl)
+        for i in range(n):
+            ref[(pod, i)] = max(ref.get((pod, i), 0.0), clock.now() + ttl)
+        clock.advance(wait)
+        now = clock.now()
+        m = idx.match_tokens("m", prompt)
+        for q in "xy":
+            live = 0  # a prediction is a prefix: count its leading live blocks
+            while live < 6 and ref.get((q, live), 0.0) > now:
+                live += 1
+            got = m[q].matched_blocks if q in m else 0
+            assert got == live, (q, now, ref)
+
+
 def test_approximate_only_cluster_uses_the_default_block_size():
     clock = ManualClock()
     idx = KvIndex(clock, default_block_size=BS)
