@@ -43,6 +43,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import xxhash
 
 Message = dict[str, Any]
@@ -271,6 +272,24 @@ _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 _NON_WORD = re.compile(r"[^\w\s]")  # a piece without any of these splits at whitespace exactly as _WORD_RE does
 _CHUNK = 256  # characters per memoized piece (cut at the next whitespace)
+_KERNEL: list = []  # [module or None] once looked up
+
+
+def _ascii_kernel():
+    """:mod:`simulator.tokenizer_kernel` when numba is installed (the router's extra), else None."""
+    if not _KERNEL:
+        try:
+            from simulator import tokenizer_kernel
+        except ImportError:
+            tokenizer_kernel = None
+        _KERNEL.append(tokenizer_kernel)
+        if tokenizer_kernel is not None:
+            global _SYL_TABLE
+            _SYL_TABLE = tokenizer_kernel.syllable_table(_SYLLABLES)
+    return _KERNEL[0]
+
+
+_SYL_TABLE = None
 
 
 class SimpleTokenizer:
@@ -279,6 +298,9 @@ class SimpleTokenizer:
     No special tokens: ``add_special_tokens`` changes nothing. A token never spans whitespace,
     so the text is cut at whitespace into ~256-character pieces tokenized on their own and
     memoized (least recently used evicted first); a prompt sharing a prefix with an earlier one re-tokenizes only the rest.
+    With numba installed (the router's extra), ASCII text longer than a piece is tokenized in one
+    compiled pass instead (:mod:`simulator.tokenizer_kernel`, the same ids, about 3.5x less CPU on
+    the trace's prompts: bench/tokenizer_trace.py).
     """
 
     RESERVED = 16  # ids below this are never produced from text
@@ -348,6 +370,13 @@ class SimpleTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         n = len(text)
+        if n > _CHUNK and text.isascii():
+            kernel = _ascii_kernel()
+            if kernel is not None:  # compiled: one pass over the bytes, no memo needed
+                b = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+                out = np.empty(n, dtype=np.int64)
+                k = kernel.encode_ascii(b, _SYL_TABLE, len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
+                return out[:k].tolist()
         if n <= _CHUNK:
             return list(self._encode_piece(text))
         out: list[int] = []

@@ -57,3 +57,45 @@ def test_simple_tokenizer_equals_the_plain_regex_whatever_the_text(a, b):
 
     for text in (a, a + b, b + a, a):  # a shared prefix, then a repeat (memo hits)
         assert tok.encode(text) == plain(text)
+
+
+_ASCII = st.lists(st.sampled_from(list("bdfgkaeiouz ") + ["  ", "\n", "\t", "\x0b", "\x1c", "\x1f", ".", ",", "_",
+                                                         "7", "Q", "\x00", "\x7f", "!?", "ba", "zu", "kimo ",
+                                                         "bababa", "zuzuzuzuzuzuzuzu", "word_9 "]),
+                  min_size=80, max_size=600).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_ASCII, st.sampled_from([40, 100, 4901, 32_000, 151_000]))
+def test_compiled_ascii_path_gives_the_python_ids(text, vocab):
+    """Long ASCII text goes through the numba kernel (one pass over the bytes): the same ids as the
+    Python path (memoized pieces, the regex and xxhash), for canonical syllable words near and past
+    the vocabulary's end, other words, punctuation, control characters and every ASCII space."""
+    import re
+
+    import pytest
+
+    from simulator import tokenizer as T
+
+    if T._ascii_kernel() is None:
+        pytest.skip("numba is not installed (the router extra)")
+    text = text * (1 + 300 // max(1, len(text)))  # past one piece: the compiled path
+    assert len(text) > T._CHUNK and text.isascii()
+    ref = SimpleTokenizer(vocab)
+    plain = [ref.token_for_word(w) for w in re.findall(r"\w+|[^\w\s]", text)]
+    assert SimpleTokenizer(vocab).encode(text) == plain
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_compiled_xxh64_is_xxhash(data):
+    import numpy as np
+    import pytest
+    import xxhash
+
+    from simulator import tokenizer as T
+
+    if T._ascii_kernel() is None:
+        pytest.skip("numba is not installed (the router extra)")
+    arr = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(0, dtype=np.uint8)
+    assert int(T._ascii_kernel().xxh64(arr, 0, len(data))) == xxhash.xxh64_intdigest(data)
