@@ -106,6 +106,7 @@ class _Flow:
     decode_pod: str | None = None
     decision: Decision | None = None
     captured: tuple | None = None  # (backends, now) the last decision read, for its record
+    keys: tuple[int, list[int]] | None = None  # (block size, the whole prompt's block keys), hashed once
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
@@ -785,9 +786,27 @@ class RouterService:
         rec = getattr(self.index, "record_route", None) if self.router.strategy.approximate else None
         if rec is not None and flow.rreq.token_ids:
             try:
-                rec(flow.rreq.model, (d.prefill or t).pod, token_ids=flow.rreq.token_ids)
+                model = flow.rreq.index_model or flow.rreq.model  # a LoRA adapter's blocks live under its base
+                keys = self._prompt_keys(flow, self.index.block_size(model))
+                if keys is not None:
+                    rec(model, (d.prefill or t).pod, keys=keys)
             except (KeyError, ValueError, TypeError):
                 pass
+
+    @staticmethod
+    def _prompt_keys(flow: _Flow, block_size: int | None) -> list[int] | None:
+        """The whole prompt's block keys (under its LoRA adapter and cache salt) at ``block_size``,
+        hashed once per request: the predicted blocks and the decision record both use them."""
+        ids = flow.rreq.token_ids
+        if not ids or not block_size:
+            return None
+        if flow.keys is None or flow.keys[0] != block_size:
+            from streams.kv_index import block_keys  # (the index module: loaded with the index)
+            from streams.kv_keys import request_salt
+
+            r = flow.rreq
+            flow.keys = (block_size, block_keys(ids, block_size, lora=r.lora, salt=request_salt(r.cache_salt)))
+        return flow.keys[1]
 
     async def _prefill(self, flow: _Flow, pb: BackendState, body: dict[str, Any]) -> dict | None:
         """PD stage one (fields per KV connector: :mod:`router.pd_protocol`); returns the decode's
@@ -1131,9 +1150,10 @@ class RouterService:
             def build(st=st, first=i == 0):
                 inputs = None
                 if first and captured is not None:
+                    keys = flow.keys[1] if flow.keys is not None and flow.keys[0] == d.block_size else None
                     inputs = decision_inputs(strategy=strategy, request=rreq, exclude=exclude, backends=captured[0],
                                              now=captured[1], block_size=d.block_size, overlap=st.overlap,
-                                             predicted=st.predicted)
+                                             predicted=st.predicted, prompt_keys=keys)
                 return decision_json(request_id=flow.rid, ts=now, pool=pool, model=model, profile=d.profile,
                                      stage=st, inputs=inputs)
 

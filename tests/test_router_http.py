@@ -353,7 +353,7 @@ schedulingProfiles:
               {pluginRef: max-score-picker}]
 """)
     engines = [await FakeEngine(p).start() for p in ("a", "b", "c", "d")]
-    backends = [StaticBackend(pod=e.pod, url=e.url, model="m") for e in engines]
+    backends = [StaticBackend(pod=e.pod, url=e.url, model="m", loras=["ad1"]) for e in engines]
     app = RouterApp(RouterConfig(strategy=str(strat), backends=backends, bus=False, records=False, seed=2))
     url = await app.start("127.0.0.1", 0)
     try:
@@ -366,6 +366,15 @@ schedulingProfiles:
                     served.append((await r.json())["served_by"])
         assert len(set(served)) == 1  # every sharer followed the first one's predicted blocks
         assert app.index.pods()[served[0]].predicted_blocks > 0
+        # the same for a LoRA adapter's requests: predicted under the base model, keyed by the adapter
+        async with aiohttp.ClientSession() as s:
+            lora = []
+            for k in range(5):
+                body = {"model": "ad1", "prompt": f"{shared} lora question {k}", "max_tokens": 1}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    lora.append((await r.json())["served_by"])
+        assert len(set(lora)) == 1
     finally:
         await app.stop(drain=False)
         for e in engines:
