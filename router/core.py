@@ -29,12 +29,18 @@ def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool,
     if index_view is None:
         return {}
     if req.token_ids is not None and len(req.token_ids) > 0:
-        ids = req.token_ids[: len(req.token_ids) - 1]
+        n = len(req.token_ids) - 1
         model = req.index_model or req.model
-        if req.lora is None and req.cache_salt is None:
-            matches = index_view.match_tokens(model, ids)
+        pk = req.prompt_keys
+        if approximate and pk is not None and pk[0] == index_view.block_size(model) and hasattr(index_view, "match_keys"):
+            # the router hashed the prompt already (its predictions take the same keys)
+            from streams.kv_index import prefix_keys
+
+            matches = index_view.match_keys(model, prefix_keys(pk[1], n // pk[0]))
+        elif req.lora is None and req.cache_salt is None:
+            matches = index_view.match_tokens(model, req.token_ids[:n])
         else:
-            matches = index_view.match_tokens(model, ids, lora=req.lora, salt=request_salt(req.cache_salt))
+            matches = index_view.match_tokens(model, req.token_ids[:n], lora=req.lora, salt=request_salt(req.cache_salt))
     elif req.keys and hasattr(index_view, "match_keys"):
         matches = index_view.match_keys(req.model, req.keys)
     else:

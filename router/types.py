@@ -71,6 +71,8 @@ class RoutingRequest:
     cache_salt: str | None = None  # vLLM's per-request cache isolation salt (first block's extra key)
     index_model: str | None = None  # the base model whose KV index to read, when ``model`` is a LoRA adapter
     exclude: frozenset[str] = frozenset()  # pods already tried (retries, migration)
+    # (block size, the whole prompt's block keys under its adapter and salt) when already hashed
+    prompt_keys: tuple[int, Sequence[int]] | None = None
 
 
 class IndexView(Protocol):

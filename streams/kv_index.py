@@ -107,6 +107,17 @@ class BlockKeys(list):
     __slots__ = ("array",)
 
 
+def prefix_keys(keys: Sequence[int], n: int) -> Sequence[int]:
+    """The first ``n`` of ``keys``, still carrying their array when :func:`block_keys` made them."""
+    if type(keys) is BlockKeys:
+        if n >= len(keys):
+            return keys
+        out = BlockKeys(keys[:n])
+        out.array = keys.array[:n]
+        return out
+    return keys[:n]
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, parent: int | None = None,
                *, lora: int | str | None = None, salt: int = 0) -> list[int]:
     """Our chained 64-bit key of every full block of ``token_ids``.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from router.core import Router, overlaps_from_index
@@ -408,3 +410,26 @@ def test_lora_and_cache_salt_select_their_own_cached_blocks():
     assert matched(lora="sql-adapter") == {"lora": 4}
     assert matched(cache_salt="s3cr3t") == {"salted": 4}
     assert matched(lora="other") == {} and matched(cache_salt="other") == {}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 90), st.sampled_from([None, "ad1"]), st.sampled_from([None, "s"]), st.integers(0, 5))
+def test_prehashed_prompt_keys_read_the_same_overlap_as_the_tokens(n_tokens, lora, salt, seed):
+    """The router hashes a prompt's block keys once and reads the index with them in approximate
+    mode: the same overlap per pod as reading it with the token ids (the last prompt token is not
+    reusable, adapters and salts seed the keys), whatever the length."""
+    from streams.clock import ManualClock
+    from streams.kv_index import KvIndex, block_keys
+    from streams.kv_keys import request_salt
+
+    rnd = random.Random(seed)
+    ids = [rnd.randrange(50) for _ in range(n_tokens)]
+    idx = KvIndex(ManualClock(), default_block_size=4)
+    for pod in ("a", "b"):  # predicted prefixes of different lengths, under the same adapter and salt
+        cut = rnd.randrange(n_tokens + 1)
+        idx.record_route("m", pod, keys=block_keys(ids[:cut], 4, lora=lora, salt=request_salt(salt)))
+    idx.record_route("m", "c", token_ids=ids)  # without the adapter: matches only plain requests
+    req = RoutingRequest(model="m", token_ids=ids, prompt_tokens=n_tokens, lora=lora, cache_salt=salt)
+    want = overlaps_from_index(idx, req, approximate=True)
+    req.prompt_keys = (4, block_keys(ids, 4, lora=lora, salt=request_salt(salt)))
+    assert overlaps_from_index(idx, req, approximate=True) == want
