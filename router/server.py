@@ -793,7 +793,14 @@ class RouterService:
                 model = flow.rreq.index_model or flow.rreq.model  # a LoRA adapter's blocks live under its base
                 keys = self._prompt_keys(flow, self.index.block_size(model))
                 if keys is not None:
-                    rec(model, (d.prefill or t).pod, keys=keys)
+                    pod = (d.prefill or t).pod
+                    # the blocks the engine already reported there need no prediction: only the rest
+                    held = 0
+                    if d.stages:
+                        st0 = d.stages[0]
+                        held = st0.overlap.get(pod, 0) - st0.predicted.get(pod, 0)
+                    if held < len(keys):
+                        rec(model, pod, keys=keys[held:] if held > 0 else keys)
             except (KeyError, ValueError, TypeError):
                 pass
 

@@ -981,10 +981,15 @@ class KvIndex:
                 names = m.tiers
                 w = [self.tier_weights.get(t, 0.0) for t in names] + [self.predicted_weight]
                 T = len(names)
-                for s, mb, row in zip(slots, ml, tiers[slots].tolist()):
-                    score = sum(c * x for c, x in zip(row, w))
-                    td = {names[t]: row[t] for t in range(T) if row[t]}
-                    out[by_slot[s].name] = _new_match((mb, score, td, row[T]))
+                if T == 1:  # one tier (and predictions): the same sums, without a generator per pod
+                    name0, w0, w1 = names[0], w[0], w[1]
+                    for s, mb, (c0, c1) in zip(slots, ml, tiers[slots].tolist()):
+                        out[by_slot[s].name] = _new_match((mb, 0 + c0 * w0 + c1 * w1, {name0: c0} if c0 else {}, c1))
+                else:
+                    for s, mb, row in zip(slots, ml, tiers[slots].tolist()):
+                        score = sum(c * x for c, x in zip(row, w))
+                        td = {names[t]: row[t] for t in range(T) if row[t]}
+                        out[by_slot[s].name] = _new_match((mb, score, td, row[T]))
         if pods is not None:
             for name in pods:
                 if name not in out:

@@ -381,6 +381,35 @@ schedulingProfiles:
             await e.stop()
 
 
+async def test_routes_predict_only_the_blocks_the_engine_has_not_reported():
+    """kv-aware records a routed prompt as predicted on its pod only past the prefix that pod's KV
+    events already reported; the match still covers the whole prompt."""
+    from router.app import RouterApp
+    from schemas.kv import BlockStored, KvEventBatch
+    from simulator.tokenizer import SimpleTokenizer, request_to_ids
+
+    eng = await FakeEngine("a").start()
+    app = RouterApp(RouterConfig(strategy="kv-aware", backends=[StaticBackend(pod="a", url=eng.url, model="m")],
+                                 bus=False, records=False, tokenizer="simple"))
+    url = await app.start("127.0.0.1", 0)
+    try:
+        body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(100)), "max_tokens": 1}
+        ids = request_to_ids(SimpleTokenizer(), "completions", body)
+        ix = app.index
+        ix.apply(KvEventBatch(pod="a", model="m", seq=0, ts=0.0, events=[  # the engine reported 2 blocks
+            BlockStored(block_hashes=[1, 2], token_ids=ids[:32], block_size=16)]))
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        whole = len(ids) // 16
+        assert ix.pods()["a"].predicted_blocks == whole - 2
+        m = ix.match_tokens("m", ids)["a"]
+        assert (m.matched_blocks, m.predicted_blocks) == (whole, whole - 2)
+    finally:
+        await app.stop(drain=False)
+        await eng.stop()
+
+
 def test_route_predictions_outlive_the_engines_queue_on_pods_that_send_events():
     """An engine's KV events come only once the prefill ran, which under load is seconds after the
     route: a routed prompt counts as predicted on its pod for ``route_prediction_ttl_s`` (30 s by
