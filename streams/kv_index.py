@@ -981,7 +981,11 @@ class KvIndex:
                 names = m.tiers
                 w = [self.tier_weights.get(t, 0.0) for t in names] + [self.predicted_weight]
                 T = len(names)
-                if T == 1:  # one tier (and predictions): the same sums, without a generator per pod
+                if T == 0:  # predictions only (no engine has sent events for this model)
+                    wp = w[0]
+                    for s, mb, (c0,) in zip(slots, ml, tiers[slots].tolist()):
+                        out[by_slot[s].name] = _new_match((mb, 0 + c0 * wp, {}, c0))
+                elif T == 1:  # one tier (and predictions): the same sums, without a generator per pod
                     name0, w0, w1 = names[0], w[0], w[1]
                     for s, mb, (c0, c1) in zip(slots, ml, tiers[slots].tolist()):
                         out[by_slot[s].name] = _new_match((mb, 0 + c0 * w0 + c1 * w1, {name0: c0} if c0 else {}, c1))

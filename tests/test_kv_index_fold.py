@@ -199,6 +199,7 @@ def test_predictions_merge_and_expire():
     idx.record_route("m", "x", toks(1, 2))  # approximate pod: long TTL
     m = idx.match_tokens("m", toks(1, 2, 3, 4))
     assert (m["a"].matched_blocks, m["a"].predicted_blocks, m["a"].tiers) == (3, 2, {"GPU": 1})
+    assert m["a"].score == pytest.approx(1 * 1.0 + 2 * idx.predicted_weight)
     assert (m["x"].matched_blocks, m["x"].predicted_blocks) == (2, 2)
     clock.advance(3)
     assert matched(idx, [1, 2, 3]) == {"a": 1, "x": 2}
@@ -239,6 +240,7 @@ def test_approximate_only_cluster_uses_the_default_block_size():
     idx.record_route("m", "x", toks(1, 2, 3))
     m = idx.match_tokens("m", toks(1, 2, 9))["x"]
     assert (m.matched_blocks, m.predicted_blocks, m.tiers) == (2, 2, {})
+    assert m.score == pytest.approx(2 * idx.predicted_weight) and idx.predicted_weight > 0
     assert idx.block_size("m") == BS
     assert KvIndex(clock).block_size("m") is None
 
