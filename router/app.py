@@ -40,6 +40,10 @@ class RouterApp:
         from streams.kv_index import warm_up
 
         await asyncio.to_thread(warm_up)  # the KV index kernels, before the first event or request
+        if self.cfg.tokenizer is not None:
+            from simulator.tokenizer import warm_up as warm_tokenizer
+
+            await asyncio.to_thread(warm_tokenizer)  # the toy tokenizer's kernel (the fallback tokenizer)
         prefix = self.nats.subject_prefix if self.nats else None
         if self.cfg.bus and self.nats is not None:
             from consumers import bus

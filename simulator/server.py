@@ -222,6 +222,9 @@ class SimEngine:
         return app
 
     async def start(self) -> "SimEngine":
+        from simulator.tokenizer import warm_up
+
+        await asyncio.to_thread(warm_up)  # the toy tokenizer's kernel, before the first long prompt
         kv_endpoint, replay_endpoint, topic, array_like = self._kv_args
         if kv_endpoint is not None and self.config.emit_kv_events:
             self.publisher = KvEventPublisher(kv_endpoint, replay_endpoint, topic=topic, array_like=array_like,

@@ -54,11 +54,12 @@ def store(tmp_path):
     s = ChdbStore(tmp_path / "chdb", "infernex")
     Q.migrate(s)
     now = float(int(time.time()))
+    minute = (now - 300) // 60 * 60  # every record inside one minute: per-minute panels see all three stages
     rows = []
     for i in range(60):
         stage = ("pd", "decode", "aggregated")[i % 3]
         rows.append(json.dumps({
-            "request_id": f"r{i}", "ts": now - 300 + i, "pool": "pool-a", "role": "aggregated" if stage == "aggregated"
+            "request_id": f"r{i}", "ts": minute + i * 0.5, "pool": "pool-a", "role": "aggregated" if stage == "aggregated"
             else "pd", "model": "m", "served_stage": stage, "prompt_tokens": 1000, "output_tokens": 11,
             "ttft_s": 0.6, "prefill_ttft_s": 0.4 if stage == "pd" else None,
             "kv_transfer_s": 0.05 if stage == "pd" else None, "tpot_s": 0.08 if stage == "aggregated" else 0.03,
