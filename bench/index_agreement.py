@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -305,14 +304,9 @@ async def main_async(args) -> int:
                 print(f"  ours   == dynamo:  {agree['ours=dynamo']}/{n}")
             return 0 if agree["ours"] == n else 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        from ingest_path import stop_procs
+
+        stop_procs(procs)
         ctx.destroy(linger=0)
         server.stop()
 

@@ -212,6 +212,18 @@ def indexer_role(url: str, lag_file: str, port: int) -> None:
     uvloop.run(run())
 
 
+def stop_procs(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM every process still running, wait for each, kill what does not stop."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 async def _metric(http, name: str) -> float:
     text = (await http.get("/metrics")).text
     for line in text.splitlines():
@@ -431,14 +443,7 @@ async def one_run(encoding: str, args) -> dict:
                              "p99": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3, "max": lags[-1] * 1e3}
         return res
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_procs(procs)
         if pub is not None:
             pub.join(5)
             if pub.is_alive():

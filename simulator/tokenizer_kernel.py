@@ -50,17 +50,10 @@ def _round(acc, lane):
 
 
 @njit(inline="always", cache=True)
-def _read64(b, i):
+def _read_le(b, i, n):
+    """``n`` bytes of ``b`` from ``i``, little-endian."""
     v = U64(0)
-    for k in range(8):
-        v |= U64(b[i + k]) << U64(8 * k)
-    return v
-
-
-@njit(inline="always", cache=True)
-def _read32(b, i):
-    v = U64(0)
-    for k in range(4):
+    for k in range(n):
         v |= U64(b[i + k]) << U64(8 * k)
     return v
 
@@ -76,10 +69,10 @@ def xxh64(b, start, end):
         v3 = U64(0)
         v4 = U64(0) - _P1
         while i + 32 <= end:
-            v1 = _round(v1, _read64(b, i))
-            v2 = _round(v2, _read64(b, i + 8))
-            v3 = _round(v3, _read64(b, i + 16))
-            v4 = _round(v4, _read64(b, i + 24))
+            v1 = _round(v1, _read_le(b, i, 8))
+            v2 = _round(v2, _read_le(b, i + 8, 8))
+            v3 = _round(v3, _read_le(b, i + 16, 8))
+            v4 = _round(v4, _read_le(b, i + 24, 8))
             i += 32
         h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
         for v in (v1, v2, v3, v4):
@@ -89,11 +82,11 @@ def xxh64(b, start, end):
         h = _P5
     h += U64(n)
     while i + 8 <= end:
-        h ^= _round(U64(0), _read64(b, i))
+        h ^= _round(U64(0), _read_le(b, i, 8))
         h = _rotl(h, 27) * _P1 + _P4
         i += 8
     if i + 4 <= end:
-        h ^= _read32(b, i) * _P1
+        h ^= _read_le(b, i, 4) * _P1
         h = _rotl(h, 23) * _P2 + _P3
         i += 4
     while i < end:
