@@ -554,9 +554,8 @@ class RouterService:
         st = self.state
         snap, now = st.snapshot(), st.clock.now()
         if flow is not None and rreq.token_ids and self.router.strategy.approximate and self.index is not None:
-            keys = self._prompt_keys(flow, self.index.block_size(rreq.index_model or rreq.model))
-            if keys is not None:
-                rreq.prompt_keys = flow.keys
+            if self._prompt_keys(flow, self.index.block_size(rreq.index_model or rreq.model)) is not None:
+                rreq.prompt_keys = flow.keys  # the index is read with them (router.core.overlaps_from_index)
         d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
         if flow is not None and self.records is not None:  # what it read, for replay (recorded later)
             flow.captured = (self._capture(snap, st.epoch), now)
