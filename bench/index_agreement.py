@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -39,7 +38,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 MODEL = "bench-model"
-PREFIX = "bench"
 DYNAMO_APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
 
 
@@ -141,11 +139,9 @@ async def main_async(args) -> int:
     import httpx
     import zmq
 
-    from consumers import bus
     from infernex.embedded_nats import EmbeddedNats, free_port
-    from schemas.config import NatsConfig
+    from ingest_path import bus_and_indexer, stop_procs
     from simulator.kv_events import block_removed, block_stored, encode_batch
-    from streams.topology import build_topology
 
     w = Workload(args.pods, args.gpu_blocks, args.block_size, args.seed)
     tmp = tempfile.mkdtemp(prefix="bench-agree-")
@@ -154,18 +150,7 @@ async def main_async(args) -> int:
     procs: list[subprocess.Popen] = []
     ctx = zmq.Context()
     try:
-        nc = await bus.connect(NatsConfig(servers=[server.url], subject_prefix=PREFIX))
-        await bus.apply_topology(nc.jetstream(), build_topology(prefix=PREFIX))
-        await nc.close()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "INFERNEX_NATS__SERVERS": server.url,
-               "INFERNEX_NATS__SUBJECT_PREFIX": PREFIX}
-        ix_port = free_port()
-        ix = subprocess.Popen([sys.executable, str(ROOT / "bench" / "ingest_path.py"), "--role", "indexer", "--url",
-                               server.url, "--lag-file", str(Path(tmp) / "lags.json"), "--port", str(ix_port),
-                               "--dynamo-python", "none"],
-                              env=env, stdout=subprocess.PIPE, text=True)
-        procs.append(ix)
-        assert ix.stdout.readline().strip() == "ready"
+        env, ix_port = await bus_and_indexer(server, tmp, procs)  # ingest_path's indexer role
         ports = [free_port() for _ in range(args.pods)]
         socks = []
         for p in ports:
@@ -304,8 +289,6 @@ async def main_async(args) -> int:
                 print(f"  ours   == dynamo:  {agree['ours=dynamo']}/{n}")
             return 0 if agree["ours"] == n else 1
     finally:
-        from ingest_path import stop_procs
-
         stop_procs(procs)
         ctx.destroy(linger=0)
         server.stop()

@@ -212,6 +212,30 @@ def indexer_role(url: str, lag_file: str, port: int) -> None:
     uvloop.run(run())
 
 
+async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen]) -> tuple[dict[str, str], int]:
+    """On a started nats-server: the topology, the environment for processes that use it, and the
+    indexer process (``--role indexer``, lags to ``tmp/lags.json``) started, added to ``procs``
+    and ready. Returns ``(env, indexer HTTP port)``."""
+    from consumers import bus
+    from infernex.embedded_nats import free_port
+    from schemas.config import NatsConfig
+    from streams.topology import build_topology
+
+    nc = await bus.connect(NatsConfig(servers=[server.url], subject_prefix=PREFIX))
+    await bus.apply_topology(nc.jetstream(), build_topology(prefix=PREFIX))
+    await nc.close()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "INFERNEX_NATS__SERVERS": server.url,
+           "INFERNEX_NATS__SUBJECT_PREFIX": PREFIX}
+    port = free_port()
+    ix = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--role", "indexer", "--url", server.url,
+                           "--lag-file", str(Path(tmp) / "lags.json"), "--port", str(port)],
+                          env=env, stdout=subprocess.PIPE, text=True)
+    procs.append(ix)
+    if ix.stdout.readline().strip() != "ready":
+        raise RuntimeError("the indexer process did not start")
+    return env, port
+
+
 def stop_procs(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
     """SIGTERM every process still running, wait for each, kill what does not stop."""
     for p in procs:
@@ -330,10 +354,7 @@ async def one_run(encoding: str, args) -> dict:
     if encoding == "dynamo":
         return await dynamo_run(args)
 
-    from consumers import bus
     from infernex.embedded_nats import EmbeddedNats, free_port
-    from schemas.config import NatsConfig
-    from streams.topology import build_topology
 
     tmp = tempfile.mkdtemp(prefix="bench-ingest-")
     server = EmbeddedNats(Path(tmp) / "store")
@@ -341,17 +362,9 @@ async def one_run(encoding: str, args) -> dict:
     procs: list[subprocess.Popen] = []
     pub = None
     try:
-        nc = await bus.connect(NatsConfig(servers=[server.url], subject_prefix=PREFIX))
-        await bus.apply_topology(nc.jetstream(), build_topology(prefix=PREFIX))
-        await nc.close()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "INFERNEX_NATS__SERVERS": server.url,
-               "INFERNEX_NATS__SUBJECT_PREFIX": PREFIX}
-        ix_port = free_port()
+        env, ix_port = await bus_and_indexer(server, tmp, procs)
+        ix = procs[-1]
         lag_file = Path(tmp) / "lags.json"
-        ix = subprocess.Popen([sys.executable, __file__, "--role", "indexer", "--url", server.url, "--lag-file",
-                               str(lag_file), "--port", str(ix_port)], env=env, stdout=subprocess.PIPE, text=True)
-        procs.append(ix)
-        assert ix.stdout.readline().strip() == "ready"
         ports = [free_port() for _ in range(args.pods)]
         cmds, done = mp.Queue(), mp.Queue()
         pub = mp.Process(target=publisher_proc, args=(ports, cmds, done, args))

@@ -35,6 +35,7 @@ A rendered chat is returned as :class:`RenderedChat` (a ``str``), so a caller th
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -272,24 +273,21 @@ _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 _NON_WORD = re.compile(r"[^\w\s]")  # a piece without any of these splits at whitespace exactly as _WORD_RE does
 _CHUNK = 256  # characters per memoized piece (cut at the next whitespace)
-_KERNEL: list = []  # [module or None] once looked up
 
 
+@functools.cache
 def _ascii_kernel():
     """:mod:`simulator.tokenizer_kernel` when numba is installed (the router's extra), else None."""
-    if not _KERNEL:
-        try:
-            from simulator import tokenizer_kernel
-        except ImportError:
-            tokenizer_kernel = None
-        _KERNEL.append(tokenizer_kernel)
-        if tokenizer_kernel is not None:
-            global _SYL_TABLE
-            _SYL_TABLE = tokenizer_kernel.syllable_table(_SYLLABLES)
-    return _KERNEL[0]
+    try:
+        from simulator import tokenizer_kernel
+    except ImportError:
+        return None
+    return tokenizer_kernel
 
 
-_SYL_TABLE = None
+@functools.cache
+def _syllable_table():
+    return _ascii_kernel().syllable_table(_SYLLABLES)
 
 
 def warm_up() -> None:
@@ -382,7 +380,7 @@ class SimpleTokenizer:
             if kernel is not None:  # compiled: one pass over the bytes, no memo needed
                 b = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
                 out = np.empty(n, dtype=np.int64)
-                k = kernel.encode_ascii(b, _SYL_TABLE, len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
+                k = kernel.encode_ascii(b, _syllable_table(), len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
                 return out[:k].tolist()
         if n <= _CHUNK:
             return list(self._encode_piece(text))

@@ -60,7 +60,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 from itertools import compress, repeat
-from operator import attrgetter, or_
+from operator import attrgetter, mul, or_
 from typing import NamedTuple
 
 import numpy as np
@@ -981,19 +981,9 @@ class KvIndex:
                 names = m.tiers
                 w = [self.tier_weights.get(t, 0.0) for t in names] + [self.predicted_weight]
                 T = len(names)
-                if T == 0:  # predictions only (no engine has sent events for this model)
-                    wp = w[0]
-                    for s, mb, (c0,) in zip(slots, ml, tiers[slots].tolist()):
-                        out[by_slot[s].name] = _new_match((mb, 0 + c0 * wp, {}, c0))
-                elif T == 1:  # one tier (and predictions): the same sums, without a generator per pod
-                    name0, w0, w1 = names[0], w[0], w[1]
-                    for s, mb, (c0, c1) in zip(slots, ml, tiers[slots].tolist()):
-                        out[by_slot[s].name] = _new_match((mb, 0 + c0 * w0 + c1 * w1, {name0: c0} if c0 else {}, c1))
-                else:
-                    for s, mb, row in zip(slots, ml, tiers[slots].tolist()):
-                        score = sum(c * x for c, x in zip(row, w))
-                        td = {names[t]: row[t] for t in range(T) if row[t]}
-                        out[by_slot[s].name] = _new_match((mb, score, td, row[T]))
+                for s, mb, row in zip(slots, ml, tiers[slots].tolist()):  # row: blocks per tier, then predicted
+                    td = {t: c for t, c in zip(names, row) if c}
+                    out[by_slot[s].name] = _new_match((mb, sum(map(mul, row, w)), td, row[T]))
         if pods is not None:
             for name in pods:
                 if name not in out:
