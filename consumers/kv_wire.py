@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Union
 
 import msgspec
-
+from consumers import kv_wire_compiled as _compiled
 from schemas import SCHEMA_VERSION
-from schemas.kv import normalize_medium
+from schemas.kv import normalize_medium as _normalize_medium
 from streams.kv_keys import extra_salt
 
 U64 = (1 << 64) - 1
@@ -111,14 +111,38 @@ def _batch_types(name: str, events: Any) -> tuple[type, type]:
             msgspec.defstruct(f"_{name}MapBatch", fields_, gc=False))
 
 
+def _raw_arrays(cls: type) -> type:
+    """``cls`` with its block hashes and token ids left as raw msgpack (for the compiled walk)."""
+    fields_: list[tuple] = []
+    for f in msgspec.structs.fields(cls):
+        t = msgspec.Raw if f.name in ("block_hashes", "token_ids") else f.type
+        if f.required:
+            fields_.append((f.name, t))
+        elif f.default_factory is list:  # token_ids=[] by default: an empty msgpack array
+            fields_.append((f.name, t, msgspec.Raw(b"\x90")))
+        else:
+            fields_.append((f.name, t, f.default))
+    cfg = cls.__struct_config__
+    return msgspec.defstruct(f"{cls.__name__}Raw", fields_, tag=cfg.tag, array_like=cfg.array_like, gc=False)
+
+
+_MStoredR, _MRemovedR, _AStoredR, _ARemovedR = map(_raw_arrays, (_MStored, _MRemoved, _AStored, _ARemoved))
+_STORED = (_MStored, _AStored, _MStoredR, _AStoredR)
+_REMOVED = (_MRemoved, _ARemoved, _MRemovedR, _ARemovedR)
+
 _ABM, _MBM = _batch_types("MapEv", _MapEvent)
 _ABA, _MBA = _batch_types("ArrEv", _ArrEvent)
 _ABR, _MBR = _batch_types("RawEv", msgspec.Raw)
+_ABMR, _MBMR = _batch_types("MapEvRaw", Union[_MStoredR, _MRemovedR, _MCleared])
+_ABAR, _MBAR = _batch_types("ArrEvRaw", Union[_AStoredR, _ARemovedR, _ACleared])
 
 # (batch is an array, events are maps) -> decoder; vLLM 0.33 is (True, True)
 _TYPED = {(True, True): msgspec.msgpack.Decoder(_ABM), (False, True): msgspec.msgpack.Decoder(_MBM),
           (True, False): msgspec.msgpack.Decoder(_ABA), (False, False): msgspec.msgpack.Decoder(_MBA)}
 _RAW = {True: msgspec.msgpack.Decoder(_ABR), False: msgspec.msgpack.Decoder(_MBR)}
+# the same with block hashes and token ids as raw msgpack, for the compiled walk
+_TYPED_RAW = {(True, True): msgspec.msgpack.Decoder(_ABMR), (False, True): msgspec.msgpack.Decoder(_MBMR),
+              (True, False): msgspec.msgpack.Decoder(_ABAR), (False, False): msgspec.msgpack.Decoder(_MBAR)}
 _EVENT = {True: msgspec.msgpack.Decoder(_MapEvent), False: msgspec.msgpack.Decoder(_ArrEvent)}
 
 
@@ -202,6 +226,20 @@ def _hash(v: int | bytes) -> int:
     return v & U64
 
 
+_MEDIUMS: dict[str | None, str | None] = {}
+
+
+def normalize_medium(value: str | None) -> str | None:
+    """:func:`schemas.kv.normalize_medium`, remembered (an engine names a handful of tiers)."""
+    try:
+        return _MEDIUMS[value]
+    except KeyError:
+        up = _normalize_medium(value)  # ValueError: not remembered
+        if len(_MEDIUMS) < 256:
+            _MEDIUMS[value] = up
+        return up
+
+
 # KV-cache group kinds (vLLM's KVCacheSpecKind) whose blocks hold a request's whole prefix
 FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
@@ -237,18 +275,26 @@ def _salts(extra: list | None, n: int, lora_name: str | None) -> list[int] | Non
     return out if any(out) else None
 
 
-def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool]) -> None:
-    """Append the normalized form of one wire event (raises :class:`_Skip`)."""
+def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool], hashes: Any = None,
+             toks: Any = None) -> None:
+    """Append the normalized form of one wire event (raises :class:`_Skip`). ``hashes`` / ``toks``:
+    its block hashes and token ids already decoded into arrays (the compiled walk), else the
+    event's own lists are used."""
     cls = type(e)
-    if cls is _MStored or cls is _AStored:
+    if cls in _STORED:
         why = _group_skip(e, groups)
         if why is not None:
             raise _Skip(why)
         bs = e.block_size
-        if bs <= 0 or not e.token_ids:
+        if toks is None:
+            toks = e.token_ids
+        if bs <= 0 or not len(toks):
             raise _Skip("no_tokens")  # offload placeholders: nothing to key them by
-        hashes = _hashes(e.block_hashes)
-        n_tok = len(e.token_ids)
+        if hashes is None:
+            hashes = _hashes(e.block_hashes)
+        elif not len(hashes):
+            raise _Skip("no_block_hashes")
+        n_tok = len(toks)
         if n_tok != len(hashes) * bs:
             if n_tok % bs == 0 and n_tok // bs > len(hashes):
                 # hybrid models: vLLM leaves the hashes of null (or masked) blocks out while
@@ -263,13 +309,16 @@ def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool]) -> N
         except ValueError:
             raise _Skip("bad_medium") from None
         salts = _salts(e.extra_keys, len(hashes), e.lora_name)
-        out.append(OutStored(hashes, parent, e.token_ids, bs, e.lora_id, e.lora_name, medium, salts))
+        out.append(OutStored(hashes, parent, toks, bs, e.lora_id, e.lora_name, medium, salts))
         counts[0] += len(hashes)
-    elif cls is _MRemoved or cls is _ARemoved:
+    elif cls in _REMOVED:
         why = _group_skip(e, groups)
         if why is not None:
             raise _Skip(why)
-        hashes = _hashes(e.block_hashes)
+        if hashes is None:
+            hashes = _hashes(e.block_hashes)
+        elif not len(hashes):
+            raise _Skip("no_block_hashes")
         try:
             medium = normalize_medium(e.medium)
         except ValueError:
@@ -292,11 +341,16 @@ class FrameDecoder:
     """Decodes payloads; remembers the event shape of the last good batch (engines do not
     change it) so the common frame takes exactly one typed decode."""
 
-    __slots__ = ("map_events", "groups")
+    __slots__ = ("map_events", "groups", "compiled", "arrays")
 
-    def __init__(self) -> None:
+    def __init__(self, *, compiled: bool = False) -> None:
+        """``compiled``: block hashes and token ids come out as numpy ``uint64`` / ``uint32`` arrays
+        decoded by :mod:`consumers.kv_wire_compiled` (when numba is installed; lists otherwise).
+        The events are the same; only their array type differs (for the binary bus encoding)."""
         self.map_events = True  # current vLLM
         self.groups: dict[int, bool] = {}  # KV-cache group -> holds full prefixes (learned from stores)
+        self.compiled = compiled and _compiled.AVAILABLE
+        self.arrays = _compiled.Arrays() if self.compiled else None
 
     def decode(self, payload: bytes) -> Normalized:
         if not payload:
@@ -304,6 +358,10 @@ class FrameDecoder:
         arr = _is_array(payload[0])
         if not arr and not (0x80 <= payload[0] <= 0x8F or payload[0] in (0xDE, 0xDF)):
             raise FrameError(f"undecodable KVEventBatch: not a msgpack array or map (first byte 0x{payload[0]:02x})")
+        if self.compiled:
+            got = self._decode_compiled(payload, arr)
+            if got is not None:
+                return got
         batch = None
         for maps in (self.map_events, not self.map_events):
             try:
@@ -340,13 +398,71 @@ class FrameDecoder:
                     skipped["undecodable_event"] = skipped.get("undecodable_event", 0) + 1
                 except _Skip as s:
                     skipped[str(s)] = skipped.get(str(s), 0) + 1
-        ts = batch.ts
-        if not ts >= 0:  # also rejects NaN
-            raise FrameError(f"batch ts {ts} is not a time")
-        dp = batch.data_parallel_rank
-        if dp is not None and dp < 0:
-            raise FrameError(f"data_parallel_rank {dp} is negative")
-        return Normalized(out, ts, dp, counts[0], counts[1], skipped)
+        return _normalized(batch, out, counts, skipped)
+
+    def _decode_compiled(self, payload: bytes, arr: bool) -> Normalized | None:
+        """The frame with its integer arrays walked by the compiled kernel, or None when it does not
+        fit a typed shape or one of its arrays is refused (the Python path then decides, per event)."""
+        batch = None
+        for maps in (self.map_events, not self.map_events):
+            try:
+                batch = _TYPED_RAW[(arr, maps)].decode(payload)
+            except msgspec.DecodeError:
+                continue
+            self.map_events = maps
+            break
+        if batch is None:
+            return None
+        raws: list = []
+        kinds = bytearray()
+        for e in batch.events:
+            cls = type(e)
+            if cls in _STORED:
+                raws.append(e.block_hashes)
+                raws.append(e.token_ids)
+                kinds += b"\x00\x01"
+            elif cls in _REMOVED:
+                raws.append(e.block_hashes)
+                kinds += b"\x00"
+        if raws:
+            got = self.arrays.parse(b"".join(raws), bytes(kinds))
+            if got is None:
+                return None
+            h64, t32, lens = got
+        i = o64 = o32 = 0
+        skipped: dict[str, int] = {}
+        out: list[Any] = []
+        counts = [0, 0]
+        groups = self.groups
+        for e in batch.events:
+            cls = type(e)
+            hashes = toks = None
+            if cls in _STORED:
+                nh, nt = lens[i], lens[i + 1]
+                i += 2
+                hashes, toks = h64[o64:o64 + nh], t32[o32:o32 + nt]
+                o64 += nh
+                o32 += nt
+            elif cls in _REMOVED:
+                nh = lens[i]
+                i += 1
+                hashes = h64[o64:o64 + nh]
+                o64 += nh
+            try:
+                _convert(e, out, counts, groups, hashes, toks)
+            except _Skip as s:
+                skipped[str(s)] = skipped.get(str(s), 0) + 1
+        return _normalized(batch, out, counts, skipped)
+
+
+def _normalized(batch: Any, out: list, counts: list[int], skipped: dict[str, int]) -> Normalized:
+    ts = batch.ts
+    if not ts >= 0:  # also rejects NaN
+        raise FrameError(f"batch ts {ts} is not a time")
+    dp = batch.data_parallel_rank
+    if dp is not None and dp < 0:
+        raise FrameError(f"data_parallel_rank {dp} is negative")
+    return Normalized(out, ts, dp, counts[0], counts[1], skipped)
 
 
 _default = FrameDecoder()

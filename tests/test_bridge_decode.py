@@ -14,7 +14,7 @@ from typing import Any, Union
 import msgspec
 import pytest
 
-from consumers.kv_bridge import FrameError, OutBatch, SequenceTracker, decode_frame
+from consumers.kv_bridge import FrameDecoder, FrameError, OutBatch, SequenceTracker, decode_frame
 from schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodReset
 
 
@@ -66,7 +66,7 @@ def vllm_hashes(tokens: list[int], block_size: int) -> list[bytes]:
 
 def to_batch(norm, seq=3, epoch=0) -> KvEventBatch:
     raw = msgspec.json.encode(OutBatch("pod-a", "m", 0 if norm.dp_rank is None else norm.dp_rank, epoch, seq,
-                                       norm.ts, norm.events))
+                                       norm.ts, norm.events), enc_hook=lambda a: a.tolist())  # numpy arrays
     return KvEventBatch.from_json(raw)
 
 
@@ -154,10 +154,12 @@ GOOD = ["BlockStored", [41], None, [1, 2], 2, None, "GPU"]
     ({"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [3, 4],
       "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1}, "other_kv_group"),
 ])
-def test_a_bad_event_costs_only_itself(bad, reason):
-    """The good events around a bad one are kept, in order; the bad one is counted by reason."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
+def test_a_bad_event_costs_only_itself(bad, reason, compiled):
+    """The good events around a bad one are kept, in order; the bad one is counted by reason
+    (the compiled decoder hands a frame it refuses to the Python path, which says why)."""
     payload = msgspec.msgpack.encode([1.0, [GOOD, bad, ["BlockRemoved", [41], "GPU"]], 0])
-    norm = decode_frame(payload)
+    norm = FrameDecoder(compiled=compiled).decode(payload)
     assert norm.skipped == {reason: 1}
     b = to_batch(norm)
     assert [type(e) for e in b.events] == [BlockStored, BlockRemoved]

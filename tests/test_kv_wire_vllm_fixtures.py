@@ -67,14 +67,19 @@ def _expected(batch: dict):
     return events, skipped
 
 
+def _ints(values) -> list[int]:
+    """Python ints from a list or (the compiled decoder's) numpy array."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
 def _got(norm):
     out = []
     for e in norm.events:
         if isinstance(e, OutStored):
-            out.append(("stored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size,
+            out.append(("stored", _ints(e.block_hashes), e.parent_block_hash, _ints(e.token_ids), e.block_size,
                         e.lora_id, e.lora_name, e.medium, e.block_salts))
         elif isinstance(e, OutRemoved):
-            out.append(("removed", list(e.block_hashes), e.medium))
+            out.append(("removed", _ints(e.block_hashes), e.medium))
         else:
             assert isinstance(e, OutCleared)
             out.append(("cleared", e.medium))
@@ -87,9 +92,13 @@ FRAMES = fx.all_frames()
 @pytest.mark.parametrize("frame", FRAMES, ids=[f"{f.version}-{f.name}" for f in FRAMES])
 def test_every_vllm_frame_decodes_to_what_vllm_encoded(frame):
     want, want_skipped = _expected(frame.expected)
-    other = FrameDecoder()
-    other.map_events = not other.map_events  # as if the last batch had the other event shape
-    for dec in (FrameDecoder(), other):
+    decoders = []
+    for compiled in (False, True):  # the Python path, and the compiled walk of the integer arrays
+        other = FrameDecoder(compiled=compiled)
+        other.map_events = not other.map_events  # as if the last batch had the other event shape
+        decoders += [FrameDecoder(compiled=compiled), other]
+    assert decoders[2].compiled  # numba is part of the test install
+    for dec in decoders:
         norm = dec.decode(frame.payload)
         assert _got(norm) == want
         assert norm.skipped == want_skipped

@@ -1,0 +1,161 @@
+"""The compiled part of :mod:`consumers.kv_wire`: vLLM's msgpack integer arrays straight into numpy.
+
+A vLLM ``BlockStored`` of 32 blocks of 16 tokens carries 544 integers; decoding them into Python
+ints (about 20-50 ns each, and a list to hold them) was most of the bridge's CPU. Here the raw
+msgpack of those arrays (``msgspec.Raw`` slices of the frame, joined) is walked once by a numba
+kernel into a ``uint64`` array (block hashes) and a ``uint32`` array (token ids).
+
+Optional: the engine-side sidecar may run without numba (the base install); :data:`AVAILABLE`
+says whether the kernel can be used, and :mod:`consumers.kv_wire` falls back to its Python path
+when not (or when the kernel refuses an array: the Python path then names the reason).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from numba import njit
+except ImportError:  # the base install: the Python path only
+    njit = None
+
+AVAILABLE = njit is not None
+
+KIND_HASHES = 0  # u64: ints (negative ones as two's complement, like vLLM's signed hashes) or bytes (last 8, big-endian)
+KIND_TOKENS = 1  # u32: non-negative ints below 2**32
+
+
+def _be(buf, pos, size):  # pragma: no cover - compiled
+    if size == 1:
+        return np.uint64(buf[pos])
+    if size == 2:
+        return np.uint64(buf[pos]) << np.uint64(8) | np.uint64(buf[pos + 1])
+    if size == 4:
+        return (np.uint64(buf[pos]) << np.uint64(24) | np.uint64(buf[pos + 1]) << np.uint64(16)
+                | np.uint64(buf[pos + 2]) << np.uint64(8) | np.uint64(buf[pos + 3]))
+    v = np.uint64(0)
+    for j in range(size):
+        v = (v << np.uint64(8)) | np.uint64(buf[pos + j])
+    return v
+
+
+def _parse(buf, kinds, out64, out32, counts):  # pragma: no cover - compiled (numba), exercised through kv_wire
+    """Parse msgpack arrays laid end to end in ``buf`` (uint8); array ``i`` is of kind ``kinds[i]``,
+    its values go to ``out64`` (hashes) or ``out32`` (token ids), its length to ``counts[i]``
+    (the outputs hold at least ``len(buf)`` values: a msgpack value takes a byte or more).
+    Returns ``(bad, n64, n32)``: ``bad`` is -1, or the index of the first array that is not an
+    array of such values (``len(kinds)`` when bytes are left over)."""
+    n = buf.shape[0]
+    k = kinds.shape[0]
+    p64 = 0
+    p32 = 0
+    pos = 0
+    for a in range(k):
+        if pos >= n:
+            return a, 0, 0
+        h = buf[pos]
+        if 0x90 <= h <= 0x9F:
+            m = h - 0x90
+            pos += 1
+        elif h == 0xDC and pos + 3 <= n:
+            m = int(_be(buf, pos + 1, 2))
+            pos += 3
+        elif h == 0xDD and pos + 5 <= n:
+            m = int(_be(buf, pos + 1, 4))
+            pos += 5
+        else:
+            return a, 0, 0
+        tokens = kinds[a] == KIND_TOKENS
+        for _ in range(m):
+            if pos >= n:
+                return a, 0, 0
+            c = buf[pos]
+            neg = False
+            if c <= 0x7F:
+                v = np.uint64(c)
+                pos += 1
+            elif 0xCC <= c <= 0xCF:
+                size = 1 << (c - 0xCC)
+                if pos + 1 + size > n:
+                    return a, 0, 0
+                v = _be(buf, pos + 1, size)
+                pos += 1 + size
+            elif c >= 0xE0:  # negative fixint
+                v = np.uint64(0xFFFFFFFFFFFFFF00) | np.uint64(c)
+                neg = True
+                pos += 1
+            elif 0xD0 <= c <= 0xD3:
+                size = 1 << (c - 0xD0)
+                if pos + 1 + size > n:
+                    return a, 0, 0
+                v = _be(buf, pos + 1, size)
+                if buf[pos + 1] >= 0x80:  # negative: sign-extend to 64 bits
+                    neg = True
+                    if size < 8:
+                        v |= ~((np.uint64(1) << np.uint64(8 * size)) - np.uint64(1))
+                pos += 1 + size
+            elif c == 0xC4 and not tokens:  # bin 8: a bytes digest, its last 8 bytes big-endian
+                if pos + 2 > n:
+                    return a, 0, 0
+                size = int(buf[pos + 1])
+                if size == 0 or pos + 2 + size > n:
+                    return a, 0, 0
+                take = 8 if size > 8 else size
+                v = _be(buf, pos + 2 + size - take, take)
+                pos += 2 + size
+            else:
+                return a, 0, 0
+            if tokens:
+                if neg or v > np.uint64(0xFFFFFFFF):
+                    return a, 0, 0
+                out32[p32] = np.uint32(v)
+                p32 += 1
+            else:
+                out64[p64] = v
+                p64 += 1
+        counts[a] = m
+    if pos != n:
+        return k, 0, 0
+    return -1, p64, p32
+
+
+if AVAILABLE:
+    _be = njit(inline="always", cache=True)(_be)
+    parse_arrays = njit(cache=True)(_parse)
+else:
+    parse_arrays = None
+
+
+def warm_up() -> bool:
+    """Compile the kernel (or load it from numba's cache) now rather than on the first frame.
+    False when numba is not installed."""
+    if not AVAILABLE:
+        return False
+    Arrays(8).parse(b"\x92\x01\xcc\xff\x91\xc4\x01\x07", b"\x01\x00")
+    return True
+
+
+class Arrays:
+    """Reusable output buffers for :func:`parse_arrays` (one per decoder, grown as needed)."""
+
+    __slots__ = ("out64", "out32", "counts")
+
+    def __init__(self, size: int = 1 << 14) -> None:
+        self.out64 = np.empty(size, dtype=np.uint64)
+        self.out32 = np.empty(size, dtype=np.uint32)
+        self.counts = np.empty(256, dtype=np.int64)
+
+    def parse(self, raw: bytes, kinds: bytes) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+        """The hashes (``uint64``), token ids (``uint32``) and per-array lengths of the msgpack
+        arrays ``raw`` holds (kinds as bytes of :data:`KIND_HASHES` / :data:`KIND_TOKENS`); the
+        value arrays are fresh copies. None when one array is refused."""
+        if len(raw) > len(self.out64):
+            self.out64 = np.empty(len(raw), dtype=np.uint64)
+            self.out32 = np.empty(len(raw), dtype=np.uint32)
+        if len(kinds) > len(self.counts):
+            self.counts = np.empty(len(kinds), dtype=np.int64)
+        bad, n64, n32 = parse_arrays(np.frombuffer(raw, dtype=np.uint8), np.frombuffer(kinds, dtype=np.uint8),
+                                     self.out64, self.out32, self.counts)
+        if bad >= 0:
+            return None
+        return self.out64[:n64].copy(), self.out32[:n32].copy(), self.counts[:len(kinds)].tolist()
