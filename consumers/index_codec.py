@@ -206,52 +206,71 @@ class BinaryError(ValueError):
     """A binary ``kv.events`` message that is not a valid batch; the message is the reason."""
 
 
-def _u64s(view: memoryview, what: str) -> np.ndarray:
-    if len(view) % 8:
-        raise BinaryError(f"{what} is {len(view)} bytes, not a whole number of uint64s")
-    return np.frombuffer(view, dtype=_U64_LE)
+def _view(view: memoryview, fmt: str, what: str) -> memoryview:
+    try:
+        return view.cast(fmt)
+    except TypeError:
+        raise BinaryError(f"{what} is {len(view)} bytes, not a whole number of "
+                          f"{'uint64' if fmt == 'Q' else 'uint32'}s") from None
 
 
-def binary_batch(data: bytes) -> KvEventBatch:
-    """A binary (:mod:`schemas.kv_binary`) message as a batch whose hashes, token ids, salts and
-    keys are numpy arrays over ``data`` (no copy, no Python int per value); :class:`BinaryError`
-    naming what is wrong otherwise. The checks are the schema's."""
+def wire_batch(data: bytes) -> kv_binary.WBatch:
+    """A binary (:mod:`schemas.kv_binary`) message checked as the schema would check it, and left
+    as the wire struct: hashes, keys and salts as ``"Q"`` memoryviews, token ids as an ``"I"`` one,
+    all over ``data`` (no copy, no object per event beyond the struct). On a little-endian host the
+    fold takes it as it is (:meth:`streams.kv_index.KvIndex.apply_many`; the views are native);
+    :class:`BinaryError` naming what is wrong.""" 
     try:
         w = kv_binary.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BinaryError(f"undecodable binary KV batch: {exc}") from None
-    events: list = []
     for i, e in enumerate(w.events):
         t = type(e)
         if t is kv_binary.WStored:
-            hashes = _u64s(e.block_hashes, f"events.{i}.block_hashes")
+            e.block_hashes = hashes = _view(e.block_hashes, "Q", f"events.{i}.block_hashes")
             nh = len(hashes)
             if not nh:
                 raise BinaryError(f"events.{i}.block_hashes is empty")
-            if len(e.token_ids) % 4:
-                raise BinaryError(f"events.{i}.token_ids is {len(e.token_ids)} bytes, not a whole number of uint32s")
-            toks = np.frombuffer(e.token_ids, dtype=_U32_LE)
-            keys = salts = None
+            e.token_ids = toks = _view(e.token_ids, "I", f"events.{i}.token_ids")
             if e.block_keys is not None:
-                keys = _u64s(e.block_keys, f"events.{i}.block_keys")
-                if len(keys) != nh or len(toks) or not keys.all():
+                e.block_keys = keys = _view(e.block_keys, "Q", f"events.{i}.block_keys")
+                if len(keys) != nh or len(toks) or 0 in keys:
                     raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block and no token_ids")
             elif len(toks) != nh * e.block_size:
                 raise BinaryError(f"events.{i}.token_ids has {len(toks)} tokens but {nh} blocks of block_size "
                                   f"{e.block_size} need {nh * e.block_size}")
             if e.block_salts is not None:
-                salts = _u64s(e.block_salts, f"events.{i}.block_salts")
+                e.block_salts = salts = _view(e.block_salts, "Q", f"events.{i}.block_salts")
                 if len(salts) != nh:
                     raise BinaryError(f"events.{i}.block_salts has {len(salts)} salts for {nh} blocks")
-            events.append(_mk_stored(
-                type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash, token_ids=toks,
-                block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name, medium=e.medium,
-                parent_key=e.parent_key, block_keys=keys, block_salts=salts))
         elif t is kv_binary.WRemoved:
-            hashes = _u64s(e.block_hashes, f"events.{i}.block_hashes")
+            e.block_hashes = hashes = _view(e.block_hashes, "Q", f"events.{i}.block_hashes")
             if not len(hashes):
                 raise BinaryError(f"events.{i}.block_hashes is empty")
-            events.append(_mk_removed(type="removed", block_hashes=hashes, medium=e.medium))
+    return w
+
+
+def _array(view: memoryview | None, dtype: np.dtype) -> np.ndarray | None:
+    return None if view is None else np.frombuffer(view, dtype=dtype)
+
+
+def binary_batch(data: bytes) -> KvEventBatch:
+    """A binary (:mod:`schemas.kv_binary`) message as a batch whose hashes, token ids, salts and
+    keys are numpy arrays over ``data`` (no copy, no Python int per value); :class:`BinaryError`
+    naming what is wrong otherwise. The checks are the schema's (:func:`wire_batch`)."""
+    w = wire_batch(data)  # (lengths and non-zero keys do not depend on byte order; the arrays below are read LE)
+    events: list = []
+    for e in w.events:
+        t = type(e)
+        if t is kv_binary.WStored:
+            events.append(_mk_stored(
+                type="stored", block_hashes=np.frombuffer(e.block_hashes, dtype=_U64_LE), parent_block_hash=e.parent_block_hash,
+                token_ids=np.frombuffer(e.token_ids, dtype=_U32_LE), block_size=e.block_size, lora_id=e.lora_id,
+                lora_name=e.lora_name, medium=e.medium, parent_key=e.parent_key,
+                block_keys=_array(e.block_keys, _U64_LE), block_salts=_array(e.block_salts, _U64_LE)))
+        elif t is kv_binary.WRemoved:
+            events.append(_mk_removed(type="removed", block_hashes=np.frombuffer(e.block_hashes, dtype=_U64_LE),
+                                      medium=e.medium))
         elif t is kv_binary.WCleared:
             events.append(AllBlocksCleared.model_construct(type="cleared", medium=e.medium))
         elif t is kv_binary.WReset:
@@ -349,6 +368,18 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
             events.append(PodGone.model_construct(type="gone", reason=e.reason))
     return _mk_batch(schema_version=b.schema_version, pod=b.pod, model=b.model, dp_rank=b.dp_rank, epoch=b.epoch,
                      seq=b.seq, ts=b.ts, events=events)
+
+
+def fold_batch(data: bytes) -> Any:
+    """What :meth:`streams.kv_index.KvIndex.apply_many` takes, decoded the cheapest way: a binary
+    message's checked wire struct (on little-endian hosts, :func:`wire_batch`), else as
+    :func:`_fast_batch`. None when only :func:`decode_slow` can decide (and name the reason)."""
+    if _LITTLE and kv_binary.is_binary(data):
+        try:
+            return wire_batch(data)
+        except BinaryError:
+            return None
+    return _fast_batch(data)
 
 
 def decode_slow(data: bytes) -> KvEventBatch:

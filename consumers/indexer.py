@@ -63,6 +63,7 @@ from consumers.index_codec import (  # noqa: F401 - re-exported
     decode_snapshot,
     encode_dump,
     encode_snapshot,
+    fold_batch,
     message_parts,
 )
 from consumers.index_snapshots import (  # noqa: F401 - re-exported
@@ -539,7 +540,7 @@ class IndexerService:
     def _decode(self, subject: str, data: bytes) -> tuple[KvEventBatch | None, bool, str | None]:
         """``(batch, careful, reason)``: ``careful`` when the fold may still reject it (slow path)."""
         careful = False
-        batch = _fast_batch(data)
+        batch = fold_batch(data)
         if batch is None:
             careful = True
             try:

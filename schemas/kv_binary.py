@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 
@@ -67,6 +67,7 @@ _Medium = Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
 
 
 class WStored(msgspec.Struct, tag="s", array_like=True, gc=False):
+    type: ClassVar[str] = "stored"  # the schema's event type (the fold dispatches on it)
     block_hashes: memoryview
     token_ids: memoryview
     block_size: Annotated[int, msgspec.Meta(gt=0)]
@@ -80,19 +81,23 @@ class WStored(msgspec.Struct, tag="s", array_like=True, gc=False):
 
 
 class WRemoved(msgspec.Struct, tag="r", array_like=True, gc=False):
+    type: ClassVar[str] = "removed"  # the schema's event type (the fold dispatches on it)
     block_hashes: memoryview
     medium: Union[_Medium, None] = None
 
 
 class WCleared(msgspec.Struct, tag="c", array_like=True, gc=False):
+    type: ClassVar[str] = "cleared"  # the schema's event type (the fold dispatches on it)
     medium: Union[_Medium, None] = None
 
 
 class WReset(msgspec.Struct, tag="x", array_like=True, gc=False):
+    type: ClassVar[str] = "reset"  # the schema's event type (the fold dispatches on it)
     reason: str = "engine restart"
 
 
 class WGone(msgspec.Struct, tag="g", array_like=True, gc=False):
+    type: ClassVar[str] = "gone"  # the schema's event type (the fold dispatches on it)
     reason: str = "pod deleted"
 
 
@@ -108,6 +113,10 @@ class WBatch(msgspec.Struct, tag=BATCH_TAG, array_like=True, gc=False):
     seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
     ts: Annotated[float, msgspec.Meta(ge=0)]
     events: list[WEvent]
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.pod}:{self.epoch}:{self.seq}"
 
 
 class WGroupRaw(msgspec.Struct, tag=GROUP_TAG, array_like=True, gc=False):

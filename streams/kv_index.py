@@ -335,6 +335,9 @@ def _extend_hashes(buf: array, hashes) -> None:
     if type(hashes) is np.ndarray and hashes.dtype == np.uint64:  # a decoder's parsed array
         buf.frombytes(memoryview(np.ascontiguousarray(hashes)).cast("B"))
         return
+    if type(hashes) is memoryview and hashes.format == "Q":  # a binary message's checked view
+        buf.frombytes(hashes.cast("B"))
+        return
     n0 = len(buf)
     try:
         buf.extend(hashes.tolist() if type(hashes) is np.ndarray else hashes)
@@ -669,11 +672,12 @@ class KvIndex:
         if self._ops.model is not m:
             self._flush()
             self._ops.model = m
-        for ev in batch.events:
+        for ev in batch.events:  # the schema's events, or a binary message's wire structs (same fields)
             st.events += 1
-            if isinstance(ev, BlockStored):
+            kind = ev.type
+            if kind == "stored":
                 self._stored(m, slot, ev, st)
-            elif isinstance(ev, BlockRemoved):
+            elif kind == "removed":
                 t = m.tidx.get(ev.medium or PRIMARY_TIER)
                 if t is None:
                     st.unknown_removed += len(ev.block_hashes)
@@ -684,14 +688,14 @@ class KvIndex:
                 ops.meta.extend((core.OP_REMOVE, slot << core.TIER_BITS | t, 0, 0, len(hs), len(ops.tokens)))
                 ops.parents.append(0)
                 ops.salts.append(0)
-            elif isinstance(ev, AllBlocksCleared):
+            elif kind == "cleared":
                 st.cleared += 1
                 self._clear_pod(pod, None if ev.medium is None else ev.medium)
-            elif isinstance(ev, PodReset):
+            elif kind == "reset":
                 st.resets += 1
                 self._clear_pod(pod)
                 self._clear_predictions(pod)
-            elif isinstance(ev, PodGone):
+            elif kind == "gone":
                 st.gone += 1
                 self._gone[name] = (model, epoch, seq, batch.ts)
                 self.remove_pod(name)
@@ -714,7 +718,11 @@ class KvIndex:
         if keys is not None:
             kind, parent = core.KEYS_GIVEN, 0
             try:
-                karr = keys if isinstance(keys, array) and keys.typecode == "Q" else array("Q", keys)
+                if type(keys) is memoryview and keys.format == "Q":
+                    karr = array("Q")
+                    karr.frombytes(keys.cast("B"))
+                else:
+                    karr = keys if isinstance(keys, array) and keys.typecode == "Q" else array("Q", keys)
             except (OverflowError, TypeError):
                 karr = None
             if karr is None or len(karr) != n or 0 in karr:
@@ -738,7 +746,9 @@ class KvIndex:
             salts = ev.block_salts if _HAS_SALTS else getattr(ev, "block_salts", None)
             toks = ev.token_ids
             try:
-                if type(toks) is np.ndarray:
+                if type(toks) is memoryview and toks.format == "I":  # a binary message's checked view
+                    tk.frombytes(toks.cast("B"))
+                elif type(toks) is np.ndarray:
                     if toks.dtype == np.uint32:  # a decoder's parsed array
                         tk.frombytes(memoryview(np.ascontiguousarray(toks)).cast("B"))
                     else:
