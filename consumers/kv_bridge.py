@@ -77,7 +77,7 @@ from schemas.kv import MAX_EPOCH, MAX_SEQ
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: the flag enum costs an Enum construction per call
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # plain ints: the enums cost a construction per call
 GAP_POLICIES = ("keep", "reset")
 
 _json_enc = msgspec.json.Encoder()
@@ -751,6 +751,7 @@ class KvBridge:
         sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
         sub.connect(self.cfg.endpoint)
         raw = zmq.Socket.shadow(sub.underlying)  # sync view for draining without awaits
+        recv, more = raw.recv, raw.get
         await self.publisher.start()
         sender = asyncio.create_task(self.publisher.run(), name=f"kv-bridge-sender-{self._pod}")
         self.ready.set()
@@ -773,12 +774,17 @@ class KvBridge:
                 t0 = time.monotonic()
                 for _ in range(1000):
                     try:
-                        frames = raw.recv_multipart(_NOBLOCK)
+                        frames = [recv(_NOBLOCK)]
                     except zmq.Again:
                         break
+                    while more(_RCVMORE):  # (recv_multipart, without its per-call option enum)
+                        frames.append(recv(_NOBLOCK))
                     await self._handle_frame(frames, t0)  # the ones ready together may go as one group
                 if self._pending and t0 - flushed_at < wait:
-                    continue  # frames are flowing: wait (at most `wait`) for more to fill the group
+                    # frames are flowing: let more queue up on the socket (until the oldest held batch
+                    # has waited `wait`) and take them in one drain, instead of waking for each
+                    await asyncio.sleep(max(0.0, self._pending[0][3] + wait - time.monotonic()))
+                    continue
                 await self.flush()
                 flushed_at = time.monotonic()
         finally:

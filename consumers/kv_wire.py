@@ -34,13 +34,16 @@ share a key in the index either.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Union
 
 import msgspec
+
 from consumers import kv_wire_compiled as _compiled
 from schemas import SCHEMA_VERSION
 from schemas.kv import normalize_medium as _normalize_medium
+from schemas.kv_binary import WRemoved, WStored
 from streams.kv_keys import extra_salt
 
 U64 = (1 << 64) - 1
@@ -278,8 +281,10 @@ def _salts(extra: list | None, n: int, lora_name: str | None) -> list[int] | Non
 def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool], hashes: Any = None,
              toks: Any = None) -> None:
     """Append the normalized form of one wire event (raises :class:`_Skip`). ``hashes`` / ``toks``:
-    its block hashes and token ids already decoded into arrays (the compiled walk), else the
-    event's own lists are used."""
+    its block hashes and token ids already decoded (the compiled walk: typed memoryviews), and
+    then the event is appended as the bus's binary wire struct; else the event's own lists are
+    used."""
+    wire = hashes is not None
     cls = type(e)
     if cls in _STORED:
         why = _group_skip(e, groups)
@@ -309,7 +314,11 @@ def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool], hash
         except ValueError:
             raise _Skip("bad_medium") from None
         salts = _salts(e.extra_keys, len(hashes), e.lora_name)
-        out.append(OutStored(hashes, parent, toks, bs, e.lora_id, e.lora_name, medium, salts))
+        if wire:
+            out.append(WStored(hashes, toks, bs, parent, e.lora_id, e.lora_name, medium,
+                               None if salts is None else memoryview(array("Q", salts))))
+        else:
+            out.append(OutStored(hashes, parent, toks, bs, e.lora_id, e.lora_name, medium, salts))
         counts[0] += len(hashes)
     elif cls in _REMOVED:
         why = _group_skip(e, groups)
@@ -323,7 +332,7 @@ def _convert(e: Any, out: list, counts: list[int], groups: dict[int, bool], hash
             medium = normalize_medium(e.medium)
         except ValueError:
             raise _Skip("bad_medium") from None
-        out.append(OutRemoved(hashes, medium))
+        out.append(WRemoved(hashes, medium) if wire else OutRemoved(hashes, medium))
         counts[1] += len(hashes)
     else:
         try:
@@ -344,9 +353,10 @@ class FrameDecoder:
     __slots__ = ("map_events", "groups", "compiled", "arrays")
 
     def __init__(self, *, compiled: bool = False) -> None:
-        """``compiled``: block hashes and token ids come out as numpy ``uint64`` / ``uint32`` arrays
-        decoded by :mod:`consumers.kv_wire_compiled` (when numba is installed; lists otherwise).
-        The events are the same; only their array type differs (for the binary bus encoding)."""
+        """``compiled``: block hashes and token ids are decoded by :mod:`consumers.kv_wire_compiled`
+        (when numba is installed) and stores and removals come out as the bus's binary wire structs
+        (:class:`schemas.kv_binary.WStored` / ``WRemoved``, arrays as typed memoryviews), ready to
+        encode; otherwise as ``OutStored`` / ``OutRemoved`` with lists. Same events either way."""
         self.map_events = True  # current vLLM
         self.groups: dict[int, bool] = {}  # KV-cache group -> holds full prefixes (learned from stores)
         self.compiled = compiled and _compiled.AVAILABLE
@@ -425,7 +435,7 @@ class FrameDecoder:
                 raws.append(e.block_hashes)
                 kinds += b"\x00"
         if raws:
-            got = self.arrays.parse(b"".join(raws), bytes(kinds))
+            got = self.arrays.parse(raws, bytes(kinds))
             if got is None:
                 return None
             h64, t32, lens = got

@@ -12,6 +12,8 @@ when not (or when the kernel refuses an array: the Python path then names the re
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 try:
@@ -19,7 +21,13 @@ try:
 except ImportError:  # the base install: the Python path only
     njit = None
 
-AVAILABLE = njit is not None
+AVAILABLE = njit is not None and sys.byteorder == "little"  # its arrays go on the wire as they are (LE)
+
+PAD = 8  # bytes the kernel may read past the arrays' end (never used)
+_TOKEN_SIZE = np.full(256, 255, dtype=np.uint8)  # bytes after a token id's first byte; 255: not a token id
+_TOKEN_SIZE[:0x80] = 0  # positive fixint
+_TOKEN_SIZE[0xCC], _TOKEN_SIZE[0xCD], _TOKEN_SIZE[0xCE] = 1, 2, 4  # uint 8 / 16 / 32
+_PADDING = bytes(PAD)
 
 KIND_HASHES = 0  # u64: ints (negative ones as two's complement, like vLLM's signed hashes) or bytes (last 8, big-endian)
 KIND_TOKENS = 1  # u32: non-negative ints below 2**32
@@ -39,13 +47,13 @@ def _be(buf, pos, size):  # pragma: no cover - compiled
     return v
 
 
-def _parse(buf, kinds, out64, out32, counts):  # pragma: no cover - compiled (numba), exercised through kv_wire
-    """Parse msgpack arrays laid end to end in ``buf`` (uint8); array ``i`` is of kind ``kinds[i]``,
-    its values go to ``out64`` (hashes) or ``out32`` (token ids), its length to ``counts[i]``
-    (the outputs hold at least ``len(buf)`` values: a msgpack value takes a byte or more).
-    Returns ``(bad, n64, n32)``: ``bad`` is -1, or the index of the first array that is not an
-    array of such values (``len(kinds)`` when bytes are left over)."""
-    n = buf.shape[0]
+def _parse(buf, n, kinds, out64, out32, counts):  # pragma: no cover - compiled (numba), exercised through kv_wire
+    """Parse msgpack arrays laid end to end in ``buf[:n]`` (uint8; ``buf`` holds at least :data:`PAD`
+    more bytes, read but never used); array ``i`` is of kind ``kinds[i]``, its values go to ``out64``
+    (hashes) or ``out32`` (token ids), its length to ``counts[i]`` (the outputs hold at least ``n``
+    values: a msgpack value takes a byte or more). Returns ``(bad, n64, n32)``: ``bad`` is -1, or
+    the index of the first array that is not an array of such values (``len(kinds)`` when bytes
+    are left over)."""
     k = kinds.shape[0]
     p64 = 0
     p32 = 0
@@ -65,12 +73,29 @@ def _parse(buf, kinds, out64, out32, counts):  # pragma: no cover - compiled (nu
             pos += 5
         else:
             return a, 0, 0
-        tokens = kinds[a] == KIND_TOKENS
+        if kinds[a] == KIND_TOKENS:
+            # token ids: fixint, uint 8 / 16 / 32, decoded without a branch on the width (which
+            # varies from value to value): read 4 bytes and shift away what is not the value's
+            for _ in range(m):
+                c = buf[pos]
+                size = _TOKEN_SIZE[c]
+                if size == 255 or pos + 1 + size > n:
+                    return a, 0, 0
+                w = _be(buf, pos + 1, 4)
+                out32[p32] = np.uint32(c) if size == 0 else np.uint32(w >> np.uint64(32 - 8 * size))
+                pos += 1 + size
+                p32 += 1
+            counts[a] = m
+            continue
         for _ in range(m):
             if pos >= n:
                 return a, 0, 0
             c = buf[pos]
-            neg = False
+            if c == 0xCF and pos + 9 <= n:  # the common case: a 64-bit hash
+                out64[p64] = _be(buf, pos + 1, 8)
+                p64 += 1
+                pos += 9
+                continue
             if c <= 0x7F:
                 v = np.uint64(c)
                 pos += 1
@@ -82,19 +107,16 @@ def _parse(buf, kinds, out64, out32, counts):  # pragma: no cover - compiled (nu
                 pos += 1 + size
             elif c >= 0xE0:  # negative fixint
                 v = np.uint64(0xFFFFFFFFFFFFFF00) | np.uint64(c)
-                neg = True
                 pos += 1
             elif 0xD0 <= c <= 0xD3:
                 size = 1 << (c - 0xD0)
                 if pos + 1 + size > n:
                     return a, 0, 0
                 v = _be(buf, pos + 1, size)
-                if buf[pos + 1] >= 0x80:  # negative: sign-extend to 64 bits
-                    neg = True
-                    if size < 8:
-                        v |= ~((np.uint64(1) << np.uint64(8 * size)) - np.uint64(1))
+                if buf[pos + 1] >= 0x80 and size < 8:  # negative: sign-extend to 64 bits
+                    v |= ~((np.uint64(1) << np.uint64(8 * size)) - np.uint64(1))
                 pos += 1 + size
-            elif c == 0xC4 and not tokens:  # bin 8: a bytes digest, its last 8 bytes big-endian
+            elif c == 0xC4:  # bin 8: a bytes digest, its last 8 bytes big-endian
                 if pos + 2 > n:
                     return a, 0, 0
                 size = int(buf[pos + 1])
@@ -105,14 +127,8 @@ def _parse(buf, kinds, out64, out32, counts):  # pragma: no cover - compiled (nu
                 pos += 2 + size
             else:
                 return a, 0, 0
-            if tokens:
-                if neg or v > np.uint64(0xFFFFFFFF):
-                    return a, 0, 0
-                out32[p32] = np.uint32(v)
-                p32 += 1
-            else:
-                out64[p64] = v
-                p64 += 1
+            out64[p64] = v
+            p64 += 1
         counts[a] = m
     if pos != n:
         return k, 0, 0
@@ -131,7 +147,7 @@ def warm_up() -> bool:
     False when numba is not installed."""
     if not AVAILABLE:
         return False
-    Arrays(8).parse(b"\x92\x01\xcc\xff\x91\xc4\x01\x07", b"\x01\x00")
+    Arrays(8).parse([b"\x92\x01\xcc\xff", b"\x91\xc4\x01\x07"], b"\x01\x00")
     return True
 
 
@@ -145,17 +161,20 @@ class Arrays:
         self.out32 = np.empty(size, dtype=np.uint32)
         self.counts = np.empty(256, dtype=np.int64)
 
-    def parse(self, raw: bytes, kinds: bytes) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
-        """The hashes (``uint64``), token ids (``uint32``) and per-array lengths of the msgpack
-        arrays ``raw`` holds (kinds as bytes of :data:`KIND_HASHES` / :data:`KIND_TOKENS`); the
-        value arrays are fresh copies. None when one array is refused."""
-        if len(raw) > len(self.out64):
-            self.out64 = np.empty(len(raw), dtype=np.uint64)
-            self.out32 = np.empty(len(raw), dtype=np.uint32)
+    def parse(self, parts: list, kinds: bytes) -> tuple[memoryview, memoryview, list[int]] | None:
+        """The hashes (a ``"Q"`` memoryview), token ids (``"I"``) and per-array lengths of the
+        msgpack arrays ``parts`` (bytes-like, one array each; kinds as bytes of :data:`KIND_HASHES`
+        / :data:`KIND_TOKENS`), over fresh bytes in native order. None when one array is refused."""
+        raw = b"".join((*parts, _PADDING))
+        n = len(raw) - PAD
+        if n > len(self.out64):
+            self.out64 = np.empty(n, dtype=np.uint64)
+            self.out32 = np.empty(n, dtype=np.uint32)
         if len(kinds) > len(self.counts):
             self.counts = np.empty(len(kinds), dtype=np.int64)
-        bad, n64, n32 = parse_arrays(np.frombuffer(raw, dtype=np.uint8), np.frombuffer(kinds, dtype=np.uint8),
+        bad, n64, n32 = parse_arrays(np.frombuffer(raw, dtype=np.uint8), n, np.frombuffer(kinds, dtype=np.uint8),
                                      self.out64, self.out32, self.counts)
         if bad >= 0:
             return None
-        return self.out64[:n64].copy(), self.out32[:n32].copy(), self.counts[:len(kinds)].tolist()
+        return (memoryview(self.out64[:n64].tobytes()).cast("Q"), memoryview(self.out32[:n32].tobytes()).cast("I"),
+                self.counts[:len(kinds)].tolist())

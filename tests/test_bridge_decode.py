@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from consumers.kv_bridge import FrameDecoder, FrameError, OutBatch, SequenceTracker, decode_frame
-from schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodReset
+from schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodReset, kv_binary
 
 
 # --- vLLM's structs, older array-encoded form -------------------------------------------
@@ -65,9 +65,12 @@ def vllm_hashes(tokens: list[int], block_size: int) -> list[bytes]:
 
 
 def to_batch(norm, seq=3, epoch=0) -> KvEventBatch:
-    raw = msgspec.json.encode(OutBatch("pod-a", "m", 0 if norm.dp_rank is None else norm.dp_rank, epoch, seq,
-                                       norm.ts, norm.events), enc_hook=lambda a: a.tolist())  # numpy arrays
-    return KvEventBatch.from_json(raw)
+    """The batch the bridge publishes: the compiled decoder's events (wire structs) in the binary
+    encoding, the Python path's as JSON; read back as the schema's batch."""
+    out = OutBatch("pod-a", "m", 0 if norm.dp_rank is None else norm.dp_rank, epoch, seq, norm.ts, norm.events)
+    if any(type(e) in (kv_binary.WStored, kv_binary.WRemoved) for e in norm.events):
+        return KvEventBatch.model_validate(kv_binary.to_docs(kv_binary.encode(out))[0])
+    return KvEventBatch.from_json(msgspec.json.encode(out))
 
 
 def test_array_encoded_golden_frame():

@@ -33,7 +33,7 @@ def test_arrays_decode_to_the_python_values(events):
         want64 += [_hash(v) for v in hashes]
         want32 += tokens
         want_counts += [len(hashes), len(tokens)]
-    got = kc.Arrays(16).parse(raw, kinds)  # small buffers: they must grow
+    got = kc.Arrays(16).parse([raw], kinds)  # small buffers: they must grow
     assert got is not None
     h64, t32, counts = got
     assert h64.tolist() == want64 and t32.tolist() == want32 and counts == want_counts
@@ -41,7 +41,7 @@ def test_arrays_decode_to_the_python_values(events):
 
 @pytest.mark.parametrize("tokens", [[1, -2], [1 << 32], [1.5], ["a"], [[1]], [None], [b"\x01"]])
 def test_token_ids_the_index_cannot_take_are_refused(tokens):
-    assert kc.Arrays().parse(msgspec.msgpack.encode(tokens), bytes((kc.KIND_TOKENS,))) is None
+    assert kc.Arrays().parse([msgspec.msgpack.encode(tokens)], bytes((kc.KIND_TOKENS,))) is None
 
 
 @pytest.mark.parametrize("raw, kinds", [
@@ -54,10 +54,10 @@ def test_token_ids_the_index_cannot_take_are_refused(tokens):
     (msgspec.msgpack.encode([b"x" * 300]), b"\x00"),  # bin 16: left to the Python path
 ])
 def test_malformed_arrays_are_refused(raw, kinds):
-    assert kc.Arrays().parse(raw, kinds) is None
+    assert kc.Arrays().parse([raw], kinds) is None
 
 
 def test_long_arrays_use_the_wide_headers():
     tokens = list(range(70_000))  # array 32 header, every token width
-    h64, t32, counts = kc.Arrays().parse(msgspec.msgpack.encode(tokens), bytes((kc.KIND_TOKENS,)))
+    h64, t32, counts = kc.Arrays().parse([msgspec.msgpack.encode(tokens)], bytes((kc.KIND_TOKENS,)))
     assert t32.tolist() == tokens and counts == [70_000] and len(h64) == 0

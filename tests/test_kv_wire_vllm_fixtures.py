@@ -11,6 +11,7 @@ import pytest
 import msgspec
 
 from consumers.kv_wire import FrameDecoder, OutCleared, OutRemoved, OutStored, decode_frame
+from schemas.kv_binary import WRemoved, WStored
 from streams.kv_keys import extra_salt
 from fixtures import vllm as fx
 
@@ -67,18 +68,21 @@ def _expected(batch: dict):
     return events, skipped
 
 
-def _ints(values) -> list[int]:
-    """Python ints from a list or (the compiled decoder's) numpy array."""
-    return values.tolist() if hasattr(values, "tolist") else list(values)
+def _ints(values) -> list[int] | None:
+    """Python ints from a list or (the compiled decoder's) typed memoryview."""
+    return None if values is None else values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def _got(norm):
+    """The events, whether the Python path's (``Out*``) or the compiled one's (the bus's wire structs)."""
     out = []
     for e in norm.events:
-        if isinstance(e, OutStored):
+        if e.type == "stored":
+            assert type(e) in (OutStored, WStored)
             out.append(("stored", _ints(e.block_hashes), e.parent_block_hash, _ints(e.token_ids), e.block_size,
-                        e.lora_id, e.lora_name, e.medium, e.block_salts))
-        elif isinstance(e, OutRemoved):
+                        e.lora_id, e.lora_name, e.medium, _ints(e.block_salts)))
+        elif e.type == "removed":
+            assert type(e) in (OutRemoved, WRemoved)
             out.append(("removed", _ints(e.block_hashes), e.medium))
         else:
             assert isinstance(e, OutCleared)
