@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from consumers import bus
-from consumers.index_codec import decode_batch, to_json
+from consumers.index_codec import decode_batch, to_json, wire_batch
 from consumers.kv_bridge import BridgeConfig, KvBridge
 from consumers.kv_wire import FrameDecoder, OutBatch
 from fixtures import vllm as fx
@@ -95,19 +95,66 @@ def test_random_batches_round_trip():
 def test_vllm_frames_through_the_bridge_encoder_fold_like_json(version):
     """Frames made by vLLM's own classes, normalized as the bridge does, encoded both ways:
     the decoded batches and the index they build are the same."""
-    dec = FrameDecoder()
-    via_json, via_bin = KvIndex(ManualClock()), KvIndex(ManualClock())
+    dec, compiled = FrameDecoder(), FrameDecoder(compiled=True)
+    assert compiled.compiled  # numba is part of the test install
+    via_json, via_bin, via_wire = KvIndex(ManualClock()), KvIndex(ManualClock()), KvIndex(ManualClock())
     n = 0
     for seq, f in enumerate(fx.frames(version)):
         norm = dec.decode(f.payload)
         out = OutBatch("pod-v", "m", norm.dp_rank or 0, 0, seq, norm.ts, norm.events)
         j, b = msgspec.json.encode(out), kv_binary.encode(out)
+        # the bridge's compiled decode gives the same bytes on the bus
+        cnorm = compiled.decode(f.payload)
+        assert kv_binary.encode(OutBatch("pod-v", "m", norm.dp_rank or 0, 0, seq, cnorm.ts, cnorm.events)) == b
         bj, bb = decode_batch(j), decode_batch(b)
         assert _plain(bj) == _plain(bb)
         via_json.apply(bj)
         via_bin.apply(bb)
+        via_wire.apply(wire_batch(b))  # what the indexer folds: the checked wire struct
         n += len(norm.events)
-    assert n > 0 and via_json == via_bin
+    assert n > 0 and via_json == via_bin == via_wire
+
+
+def test_the_fold_takes_wire_structs_as_it_takes_the_schemas_batches():
+    """Random batches of every event kind (parents, salts, keys, tiers, resets, clears, a pod gone),
+    folded once as decoded schema batches and once as the indexer's checked wire structs: the
+    same index and the same counts."""
+    rng = random.Random(11)
+    a, b = KvIndex(ManualClock()), KvIndex(ManualClock())
+    held: dict[str, list[int]] = {}
+    for seq in range(400):
+        pod = f"p{rng.randrange(3)}"
+        events: list = []
+        for _ in range(rng.randint(0, 3)):
+            r = rng.random()
+            if r < 0.55:
+                n = rng.randint(1, 4)
+                hashes = [rng.randint(1, U64) for _ in range(n)]
+                parent = rng.choice(held.get(pod) or [None]) if rng.random() < 0.5 else None
+                kw: dict = {}
+                if rng.random() < 0.15:
+                    kw["block_salts"] = [rng.choice([0, rng.randint(1, U64)]) for _ in range(n)]
+                if rng.random() < 0.1:
+                    kw["block_keys"], toks = [rng.randint(1, U64) for _ in range(n)], []
+                else:
+                    toks = _toks(*(rng.randint(0, 5) for _ in range(n)))
+                events.append(BlockStored(block_hashes=hashes, token_ids=toks, block_size=BS, parent_block_hash=parent,
+                                          medium=rng.choice([None, "GPU", "CPU"]), **kw))
+                held.setdefault(pod, []).extend(hashes)
+            elif r < 0.85 and held.get(pod):
+                events.append(BlockRemoved(block_hashes=rng.sample(held[pod], min(2, len(held[pod]))),
+                                           medium=rng.choice([None, "GPU", "CPU"])))
+            elif r < 0.92:
+                events.append(AllBlocksCleared(medium=rng.choice([None, "CPU"])))
+            elif r < 0.97:
+                events.append(PodReset())
+            else:
+                events.append(PodGone())
+        batch = KvEventBatch(pod=pod, model="m", seq=seq, ts=float(seq), events=events)
+        data = kv_binary.encode(batch)
+        sa, sb = a.apply(decode_batch(data)), b.apply(wire_batch(data))
+        assert sa == sb, (seq, sa, sb)
+    assert a == b and len(a) > 0
 
 
 def test_token_ids_past_32_bits_cannot_be_binary():
