@@ -61,7 +61,7 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from consumers import bus, kv_wire_compiled
+from consumers import bus, kv_transcode, kv_wire_compiled
 from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decode_frame are re-exported
     FrameDecoder,
     FrameError,
@@ -432,6 +432,9 @@ class BridgeConfig:
     # messages (less CPU per block in the bridge, nats-server and every consumer); a quiet engine's
     # frame is published at once (0 = never wait)
     group_wait_s: float = 0.002
+    # binary: runs of in-order frames in vLLM's current shape go through the compiled transcoder
+    # (consumers.kv_transcode; needs numba); False: every frame through the Python decoder
+    transcode: bool = True
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
@@ -507,6 +510,9 @@ class KvBridge:
         self._pod, self._model = cfg.pod, cfg.model
         self._binary = cfg.encoding == "binary"
         self._decoder = FrameDecoder(compiled=self._binary)  # numpy arrays straight into the binary encoding
+        # plain runs of frames in vLLM's current shape: compiled straight into binary batches
+        self._transcoder = (kv_transcode.Transcoder(cfg.pod, cfg.model, cfg.dp_rank, self._decoder.groups)
+                            if self._binary and cfg.transcode and kv_transcode.AVAILABLE else None)
         self._group = self._binary and cfg.group_max > 1
         self._pending: list[tuple[bytes, int, int, float, int, int]] = []  # (data, epoch, seq, t0, stored, removed)
         self._pending_bytes = 0
@@ -557,16 +563,64 @@ class KvBridge:
         batch = OutBatch(self._pod, self._model, self.cfg.dp_rank if norm.dp_rank is None else norm.dp_rank,
                          epoch, seq, norm.ts, events)
         data, hdrs = self._encode(batch)
-        if self._group and hdrs[kv_binary.HDR_CONTENT_TYPE] == kv_binary.CONTENT_TYPE:
+        await self._queue(data, hdrs, epoch, seq, t0, norm.blocks_stored, norm.blocks_removed)
+
+    async def _queue(self, data: bytes, hdrs: dict[str, str] | None, epoch: int, seq: int, t0: float,
+                     stored: int, removed: int) -> None:
+        """Hold an encoded batch to be grouped, or publish it (``hdrs`` None: the binary encoding)."""
+        binary = hdrs is None or hdrs[kv_binary.HDR_CONTENT_TYPE] == kv_binary.CONTENT_TYPE
+        if self._group and binary:
             if self._pending and (len(self._pending) >= self.cfg.group_max
                                   or self._pending_bytes + len(data) > self.cfg.group_max_bytes):
                 await self.flush()
-            self._pending.append((data, epoch, seq, t0, norm.blocks_stored, norm.blocks_removed))
+            self._pending.append((data, epoch, seq, t0, stored, removed))
             self._pending_bytes += len(data)
             return
         await self.flush()  # (a JSON batch: the ones before it first)
-        await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0,
-                                       norm.blocks_stored, norm.blocks_removed, headers=hdrs))
+        if hdrs is None:
+            hdrs = kv_binary.headers(self._pod, self._model, epoch, seq)
+        await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0, stored, removed,
+                                       headers=hdrs))
+
+    def _plain_run(self, drained: list[list[bytes]], i: int) -> int:
+        """How many frames from ``drained[i]`` continue the sequence with nothing to decide: no gap,
+        no restart, no reset owed (the transcoder's case)."""
+        t = self.tracker
+        if t.last_seq is None or t.reset_reason is not None or self._drop is not None:
+            return 0
+        want = t.last_seq + 1
+        k = i
+        while k < len(drained):
+            f = drained[k]
+            if len(f) != 3 or len(f[1]) != 8 or int.from_bytes(f[1], "big") != want or want > MAX_SEQ:
+                break
+            want += 1
+            k += 1
+        return k - i
+
+    async def _handle_frames(self, drained: list[list[bytes]], t0: float) -> None:
+        """The frames read together, in order: runs of plain in-order frames through the compiled
+        transcoder (when there is one), everything else (and any frame it leaves) one by one."""
+        tc = self._transcoder
+        i = 0
+        while i < len(drained):
+            run = self._plain_run(drained, i) if tc is not None else 0
+            if run:
+                first, epoch = self.tracker.last_seq + 1, self.tracker.epoch
+                got = tc.transcode([f[2] for f in drained[i:i + run]], first, epoch)
+                if got:
+                    self.stats.last_frame_at = t0
+                    self._last_put = time.monotonic()
+                for k, (data, stored, removed) in enumerate(got):
+                    self.stats.frames += 1
+                    self.metrics.frames_live += 1
+                    self.tracker.accept(first + k)
+                    await self._queue(data, None, epoch, first + k, t0, stored, removed)
+                i += len(got)
+                if len(got) == run:
+                    continue
+            await self._handle_frame(drained[i], t0)  # (the frame the transcoder left, or not a plain one)
+            i += 1
 
     async def flush(self) -> None:
         """Publish the batches held back to be grouped: one as itself, several as one group message
@@ -621,7 +675,7 @@ class KvBridge:
     async def handle_frame(self, frames: list[bytes], t0: float | None = None, *, flush: bool = True) -> None:
         """Handle one live frame from the SUB socket (public for tests and benches). ``flush=False``:
         more frames are ready, so the batch may wait to be grouped with theirs (:meth:`flush`)."""
-        await self._handle_frame(frames, t0)
+        await self._handle_frames([frames], time.monotonic() if t0 is None else t0)
         if flush:
             await self.flush()
 
@@ -740,7 +794,9 @@ class KvBridge:
 
     async def run(self, stop: asyncio.Event) -> BridgeStats:
         if self._decoder.compiled:
-            kv_wire_compiled.warm_up()  # compile (or load) the kernel before the first frame, not on it
+            kv_wire_compiled.warm_up()  # compile (or load) the kernels before the first frame, not on it
+        if self._transcoder is not None:
+            kv_transcode.warm_up()
         elif self._binary:
             log.info("kv-bridge %s: numba is not installed; KV frames are decoded in Python "
                      "(about 4x the CPU; install infernex[router] for the compiled decoder)", self._pod)
@@ -772,6 +828,7 @@ class KvBridge:
                         await self._heartbeat()
                     continue
                 t0 = time.monotonic()
+                drained = []
                 for _ in range(1000):
                     try:
                         frames = [recv(_NOBLOCK)]
@@ -779,7 +836,8 @@ class KvBridge:
                         break
                     while more(_RCVMORE):  # (recv_multipart, without its per-call option enum)
                         frames.append(recv(_NOBLOCK))
-                    await self._handle_frame(frames, t0)  # the ones ready together may go as one group
+                    drained.append(frames)
+                await self._handle_frames(drained, t0)  # the ones ready together may go as one group
                 if self._pending and t0 - flushed_at < wait:
                     # frames are flowing: let more queue up on the socket (until the oldest held batch
                     # has waited `wait`) and take them in one drain, instead of waking for each
