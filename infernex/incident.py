@@ -441,7 +441,7 @@ class ReplayState:
             raise ValueError("the request needs a model")
         router = Router(profile, seed=0)
         req = RoutingRequest(model=model, request_id=body.get("request_id", "replayed"), token_ids=token_ids,
-                             prompt_tokens=len(token_ids or []), max_tokens=body.get("max_tokens"))
+                             prompt_tokens=0 if token_ids is None else len(token_ids), max_tokens=body.get("max_tokens"))
         decision = router.decide(req, self.cluster.snapshot(), self.index, self.clock.now())
         out = decision.to_dict()
         out["at"] = iso(self.clock.now()) if self.last_ts else None

@@ -534,7 +534,7 @@ class RouterService:
     def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
         st = self.router.strategy
         # token ids only when the strategy reads them (prefix overlap, PD decider, buckets)
-        ids = self.encoder.encode(kind, body) if (st.needs_overlap or st.pd) else None
+        ids = self.encoder.encode(kind, body, as_array=True) if (st.needs_overlap or st.pd) else None
         if ids is None:
             n = max(1, raw_len // 4) if raw_len else len(str(body.get("messages") or body.get("prompt"))) // 4
         else:
@@ -553,7 +553,8 @@ class RouterService:
         t = time.perf_counter()
         st = self.state
         snap, now = st.snapshot(), st.clock.now()
-        if flow is not None and rreq.token_ids and self.router.strategy.approximate and self.index is not None:
+        if (flow is not None and rreq.token_ids is not None and len(rreq.token_ids)
+                and self.router.strategy.approximate and self.index is not None):
             if self._prompt_keys(flow, self.index.block_size(rreq.index_model or rreq.model)) is not None:
                 rreq.prompt_keys = flow.keys  # the index is read with them (router.core.overlaps_from_index)
         d = self.router.decide(rreq, snap, self.index, now, load_epoch=st.epoch)
@@ -787,7 +788,7 @@ class RouterService:
             if p not in flow.pods:
                 flow.pods.append(p)
         rec = getattr(self.index, "record_route", None) if self.router.strategy.approximate else None
-        if rec is not None and flow.rreq.token_ids:
+        if rec is not None and flow.rreq.token_ids is not None and len(flow.rreq.token_ids):
             try:
                 model = flow.rreq.index_model or flow.rreq.model  # a LoRA adapter's blocks live under its base
                 keys = self._prompt_keys(flow, self.index.block_size(model))
@@ -808,7 +809,7 @@ class RouterService:
         """The whole prompt's block keys (under its LoRA adapter and cache salt) at ``block_size``,
         hashed once per request: the predicted blocks and the decision record both use them."""
         ids = flow.rreq.token_ids
-        if not ids or not block_size:
+        if ids is None or not len(ids) or not block_size:
             return None
         if flow.keys is None or flow.keys[0] != block_size:
             from streams.kv_index import block_keys  # (the index module: loaded with the index)

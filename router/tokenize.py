@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +124,15 @@ class PromptEncoder:
             self._per_model[key] = tok
         return tok
 
-    def encode(self, kind: str, body: dict[str, Any]) -> list[int] | None:
-        """Prompt token ids of an OpenAI request (``kind`` "chat" or "completions"), or ``None``."""
+    def encode(self, kind: str, body: dict[str, Any], *, as_array: bool = False) -> Sequence[int] | None:
+        """Prompt token ids of an OpenAI request (``kind`` "chat" or "completions"), or ``None``.
+        ``as_array``: a ``uint32`` numpy array when the tokenizer gives one (the toy tokenizer),
+        for the routing path that only hashes them; a list otherwise."""
         tok = self.tokenizer_for(body.get("model"))
         if tok is None:
             return None
         try:
-            return request_to_ids(tok, kind, body)
+            return request_to_ids(tok, kind, body, as_array=as_array)
         except (ValueError, KeyError, TypeError):
             return None
 

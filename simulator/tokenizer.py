@@ -62,6 +62,25 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]: ...
 
+    def _encode_compiled(self, text: str) -> np.ndarray | None:
+        """ASCII text in one compiled pass (no memo needed), or None without numba."""
+        kernel = _ascii_kernel()
+        if kernel is None:
+            return None
+        out = np.empty(len(text), dtype=np.int64)
+        k = kernel.encode_ascii(np.frombuffer(text.encode("ascii"), dtype=np.uint8), _syllable_table(),
+                                len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
+        return out[:k]
+
+    def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the
+        router hashes into block keys, without a Python int per token."""
+        if len(text) > _CHUNK and text.isascii():
+            ids = self._encode_compiled(text)
+            if ids is not None:
+                return ids.astype(np.uint32)
+        return np.array(self.encode(text), dtype=np.uint32)
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> str: ...
@@ -376,12 +395,9 @@ class SimpleTokenizer:
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         n = len(text)
         if n > _CHUNK and text.isascii():
-            kernel = _ascii_kernel()
-            if kernel is not None:  # compiled: one pass over the bytes, no memo needed
-                b = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-                out = np.empty(n, dtype=np.int64)
-                k = kernel.encode_ascii(b, _syllable_table(), len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
-                return out[:k].tolist()
+            ids = self._encode_compiled(text)
+            if ids is not None:
+                return ids.tolist()
         if n <= _CHUNK:
             return list(self._encode_piece(text))
         out: list[int] = []
@@ -394,6 +410,25 @@ class SimpleTokenizer:
             out += self._encode_piece(text[start:cut])
             start = cut
         return out
+
+    def _encode_compiled(self, text: str) -> np.ndarray | None:
+        """ASCII text in one compiled pass (no memo needed), or None without numba."""
+        kernel = _ascii_kernel()
+        if kernel is None:
+            return None
+        out = np.empty(len(text), dtype=np.int64)
+        k = kernel.encode_ascii(np.frombuffer(text.encode("ascii"), dtype=np.uint8), _syllable_table(),
+                                len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
+        return out[:k]
+
+    def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the
+        router hashes into block keys, without a Python int per token."""
+        if len(text) > _CHUNK and text.isascii():
+            ids = self._encode_compiled(text)
+            if ids is not None:
+                return ids.astype(np.uint32)
+        return np.array(self.encode(text), dtype=np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self._syllables(i - self.RESERVED) if i >= self.RESERVED else f"<{i}>" for i in ids)
@@ -423,6 +458,25 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return self._tok.encode(text, add_special_tokens=_wants_specials(text, add_special_tokens)).ids
 
+    def _encode_compiled(self, text: str) -> np.ndarray | None:
+        """ASCII text in one compiled pass (no memo needed), or None without numba."""
+        kernel = _ascii_kernel()
+        if kernel is None:
+            return None
+        out = np.empty(len(text), dtype=np.int64)
+        k = kernel.encode_ascii(np.frombuffer(text.encode("ascii"), dtype=np.uint8), _syllable_table(),
+                                len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
+        return out[:k]
+
+    def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the
+        router hashes into block keys, without a Python int per token."""
+        if len(text) > _CHUNK and text.isascii():
+            ids = self._encode_compiled(text)
+            if ids is not None:
+                return ids.astype(np.uint32)
+        return np.array(self.encode(text), dtype=np.uint32)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
@@ -446,20 +500,27 @@ def load_tokenizer(spec: str | None, vocab_size: int = 32_000) -> Tokenizer:
 
 # ---------------------------------------------------------------- requests -> ids
 
+def _encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool, as_array: bool) -> Any:
+    if as_array and hasattr(tokenizer, "encode_array"):
+        return tokenizer.encode_array(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def prompt_to_ids(tokenizer: Tokenizer, prompt: Any = None, prompt_token_ids: Any = None,
-                  add_special_tokens: bool = True) -> list[int]:
+                  add_special_tokens: bool = True, as_array: bool = False) -> Sequence[int]:
     """Token ids of an OpenAI completions prompt: text (tokenized with special tokens, as vLLM's
     completions default), a list of ints (used as is), a one-element list of either, or an
-    explicit ``prompt_token_ids``. Raises ``ValueError`` on anything else."""
+    explicit ``prompt_token_ids``. Raises ``ValueError`` on anything else. ``as_array``: text
+    may come back as a ``uint32`` numpy array (a tokenizer with ``encode_array``)."""
     if prompt_token_ids is not None:
         prompt = prompt_token_ids
     if prompt is None:
         raise ValueError("a prompt is required")
     if isinstance(prompt, str):
-        return tokenizer.encode(str(prompt), add_special_tokens=add_special_tokens)
+        return _encode_text(tokenizer, str(prompt), add_special_tokens, as_array)
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            return prompt_to_ids(tokenizer, prompt[0], add_special_tokens=add_special_tokens)
+            return prompt_to_ids(tokenizer, prompt[0], add_special_tokens=add_special_tokens, as_array=as_array)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise ValueError(f"token ids must be in [0, {tokenizer.vocab_size})")
@@ -492,15 +553,15 @@ def render_chat(tokenizer: Tokenizer, body: Mapping[str, Any]) -> RenderedChat:
     return text if isinstance(text, RenderedChat) else RenderedChat(text)
 
 
-def request_to_ids(tokenizer: Tokenizer, kind: str, body: Mapping[str, Any]) -> list[int]:
+def request_to_ids(tokenizer: Tokenizer, kind: str, body: Mapping[str, Any], as_array: bool = False) -> Sequence[int]:
     """Prompt token ids of an OpenAI request as vLLM's OpenAI server computes them.
 
     ``kind`` is ``"chat"`` for ``/v1/chat/completions`` (template rendered once, special tokens
     not added again unless the body says ``add_special_tokens: true``) or anything else for
     ``/v1/completions`` (text tokenized with special tokens unless ``add_special_tokens: false``).
-    Raises ``ValueError`` on a body that cannot be tokenized."""
+    Raises ``ValueError`` on a body that cannot be tokenized. ``as_array``: see :func:`prompt_to_ids`."""
     if kind == "chat":
         text = render_chat(tokenizer, body)
-        return tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
+        return _encode_text(tokenizer, text, _flag(body, "add_special_tokens", False), as_array)
     return prompt_to_ids(tokenizer, body.get("prompt"), body.get("prompt_token_ids"),
-                         add_special_tokens=_flag(body, "add_special_tokens", True))
+                         add_special_tokens=_flag(body, "add_special_tokens", True), as_array=as_array)

@@ -87,6 +87,8 @@ root_seed = lora_seed  # the chain seed of a prompt's first block (see streams.k
 def _token_array(token_ids: Sequence[int]) -> np.ndarray:
     """Token ids as a uint32 array (ValueError unless every id is in [0, 2**32))."""
     if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype == np.uint32:  # (a tokenizer's array: nothing to check)
+            return np.ascontiguousarray(token_ids)
         if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= 1 << 32):
             raise ValueError("token ids must be integers in [0, 2**32)")
         return np.ascontiguousarray(token_ids, dtype=np.uint32)
