@@ -58,7 +58,7 @@ def _read_le(b, i, n):
     return v
 
 
-@njit(cache=True)
+@njit(inline="always", cache=True)
 def xxh64(b, start, end):
     """XXH64 with seed 0 of ``b[start:end]`` (what ``xxhash.xxh64_intdigest`` gives)."""
     n = end - start
@@ -101,7 +101,7 @@ def xxh64(b, start, end):
     return h
 
 
-@njit(cache=True)
+@njit(inline="always", cache=True)
 def _word_id(b, start, end, syl, nsyl, reserved, vocab_size, span):
     n = end - start
     canonical = n % 2 == 0 and not (n > 2 and b[start] == 98 and b[start + 1] == 97)  # no leading "ba"

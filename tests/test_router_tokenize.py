@@ -84,6 +84,9 @@ def test_compiled_ascii_path_gives_the_python_ids(text, vocab):
     ref = SimpleTokenizer(vocab)
     plain = [ref.token_for_word(w) for w in re.findall(r"\w+|[^\w\s]", text)]
     assert SimpleTokenizer(vocab).encode(text) == plain
+    arr = SimpleTokenizer(vocab).encode_array(text)  # the router's form: the same ids as uint32
+    assert arr.dtype == "uint32" and arr.tolist() == plain
+    assert SimpleTokenizer(vocab).encode_array(text[:20] + "é").tolist() == ref.encode(text[:20] + "é")
 
 
 @settings(max_examples=100, deadline=None)
