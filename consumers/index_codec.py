@@ -214,6 +214,18 @@ def _view(view: memoryview, fmt: str, what: str) -> memoryview:
                           f"{'uint64' if fmt == 'Q' else 'uint32'}s") from None
 
 
+_MEDIUMS: set[str] = set()  # tier names already checked (an engine names a handful)
+
+
+def _medium(name: str | None, i: int) -> None:
+    if name is None or name in _MEDIUMS:
+        return
+    if not kv_binary.MEDIUM_RE.match(name):
+        raise BinaryError(f"events.{i}.medium {name[:40]!r} is not a tier name ([A-Z][A-Z0-9_]{{0,31}})")
+    if len(_MEDIUMS) < 1024:
+        _MEDIUMS.add(name)
+
+
 def wire_batch(data: bytes) -> kv_binary.WBatch:
     """A binary (:mod:`schemas.kv_binary`) message checked as the schema would check it, and left
     as the wire struct: hashes, keys and salts as ``"Q"`` memoryviews, token ids as an ``"I"`` one,
@@ -224,8 +236,27 @@ def wire_batch(data: bytes) -> kv_binary.WBatch:
         w = kv_binary.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BinaryError(f"undecodable binary KV batch: {exc}") from None
+    return _checked(w)
+
+
+def fold_group(data: bytes) -> list[kv_binary.WBatch] | None:
+    """A binary group message as its checked wire structs (:func:`wire_batch`'s checks, one decode
+    for the whole group, little-endian hosts), or None when it is not one or any batch in it is
+    invalid: then its batches go one by one (:func:`message_parts`), and only the bad one is refused."""
+    if not _LITTLE or not kv_binary.is_group(data):
+        return None
+    try:
+        return [_checked(w) for w in kv_binary.decode_group(data)]
+    except (msgspec.DecodeError, msgspec.ValidationError, BinaryError):
+        return None
+
+
+def _checked(w: kv_binary.WBatch) -> kv_binary.WBatch:
+    """The schema's checks on a decoded wire batch; its arrays become typed views (in place)."""
     for i, e in enumerate(w.events):
         t = type(e)
+        if t is not kv_binary.WReset and t is not kv_binary.WGone:
+            _medium(e.medium, i)
         if t is kv_binary.WStored:
             e.block_hashes = hashes = _view(e.block_hashes, "Q", f"events.{i}.block_hashes")
             nh = len(hashes)

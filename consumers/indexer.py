@@ -35,6 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable
+from itertools import repeat
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
@@ -64,6 +65,7 @@ from consumers.index_codec import (  # noqa: F401 - re-exported
     encode_dump,
     encode_snapshot,
     fold_batch,
+    fold_group,
     message_parts,
 )
 from consumers.index_snapshots import (  # noqa: F401 - re-exported
@@ -494,31 +496,12 @@ class IndexerService:
             return
         self._next_dseq = dseq + 1
         if sseq > self._taken_seq:  # else: a redelivery of something already taken
-            try:
-                parts = message_parts(msg.data)
-            except ValidationFailure as exc:  # a group's own frame is broken: the whole message is bad
-                parts = []
-                self._flush()
-                await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, str(exc), headers=dict(msg.headers or {}),
-                                      stream_seq=sseq)
-                self.applied_seq = sseq
-                self._since_snapshot += 1
-            for i, part in enumerate(parts):  # a group's batches one by one, as if sent apart
-                batch, careful, reason = self._decode(msg.subject, part)
-                if reason is not None or careful:
-                    self._flush()  # keep the order: everything before it first
-                    if reason is not None:
-                        if len(parts) > 1:
-                            reason = f"batch {i} of a group of {len(parts)}: {reason}"
-                        await self._dlq.send(S.KV_EVENTS, msg.subject, part, reason,
-                                              headers=dict(msg.headers or {}), stream_seq=sseq)
-                    else:
-                        await self._apply_one(batch, msg, sseq)
-                    self.applied_seq = sseq
-                    self._since_snapshot += 1
-                else:
-                    self._buf.append(batch)
-                    self._buf_seqs.append(sseq)
+            whole = fold_group(msg.data)  # a group decoded in one call, when every batch in it is good
+            if whole is not None and all(self._names_match(msg.subject, b) for b in whole):
+                self._buf.extend(whole)
+                self._buf_seqs.extend(repeat(sseq, len(whole)))
+            else:
+                await self._take_parts(msg, sseq)
             self._taken_seq = sseq
         self._last_msg = msg
         self._unacked += 1
@@ -537,6 +520,35 @@ class IndexerService:
         if due:
             await self._snapshot_guarded()
 
+    async def _take_parts(self, msg, sseq: int) -> None:  # noqa: ANN001 - a nats-py message
+        """The message's batches one by one (a group's as if sent apart): a bad one is dead-lettered
+        alone, the others queued to fold (or folded carefully, in order)."""
+        try:
+            parts = message_parts(msg.data)
+        except ValidationFailure as exc:  # a group's own frame is broken: the whole message is bad
+            self._flush()
+            await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, str(exc), headers=dict(msg.headers or {}),
+                                 stream_seq=sseq)
+            self.applied_seq = sseq
+            self._since_snapshot += 1
+            return
+        for i, part in enumerate(parts):
+            batch, careful, reason = self._decode(msg.subject, part)
+            if reason is not None or careful:
+                self._flush()  # keep the order: everything before it first
+                if reason is not None:
+                    if len(parts) > 1:
+                        reason = f"batch {i} of a group of {len(parts)}: {reason}"
+                    await self._dlq.send(S.KV_EVENTS, msg.subject, part, reason,
+                                         headers=dict(msg.headers or {}), stream_seq=sseq)
+                else:
+                    await self._apply_one(batch, msg, sseq)
+                self.applied_seq = sseq
+                self._since_snapshot += 1
+            else:
+                self._buf.append(batch)
+                self._buf_seqs.append(sseq)
+
     def _decode(self, subject: str, data: bytes) -> tuple[KvEventBatch | None, bool, str | None]:
         """``(batch, careful, reason)``: ``careful`` when the fold may still reject it (slow path)."""
         careful = False
@@ -547,18 +559,27 @@ class IndexerService:
                 batch = decode_slow(data)  # pydantic for JSON; a binary message here is invalid
             except ValidationFailure as exc:
                 return None, True, str(exc)
-        names = self._subjects.get(subject)
-        if names is None:
-            names = self._subject_names(subject)
-            if len(self._subjects) >= 100_000:
-                self._subjects.clear()
-            self._subjects[subject] = names
+        names = self._names(subject)
         if isinstance(names, str):
             return None, True, names
         if names[0] != batch.pod or names[1] != batch.model:
             return None, True, (f"subject {subject} names pod {names[0]!r} model {names[1]!r} but the "
                                 f"batch is for pod {batch.pod!r} model {batch.model!r}")
         return batch, careful, None
+
+    def _names(self, subject: str) -> tuple[str | None, str | None] | str:
+        """(pod, model) the subject names, or why it names none (remembered per subject)."""
+        names = self._subjects.get(subject)
+        if names is None:
+            names = self._subject_names(subject)
+            if len(self._subjects) >= 100_000:
+                self._subjects.clear()
+            self._subjects[subject] = names
+        return names
+
+    def _names_match(self, subject: str, batch) -> bool:  # noqa: ANN001 - a batch or its wire struct
+        names = self._names(subject)
+        return not isinstance(names, str) and names[0] == batch.pod and names[1] == batch.model
 
     def _subject_names(self, subject: str) -> tuple[str | None, str | None] | str:
         rest = subject[len(self.prefix) + 1:] if self.prefix else subject

@@ -35,6 +35,7 @@ needs no headers to be read).
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from typing import Annotated, Any, ClassVar, Union
@@ -63,7 +64,10 @@ assert array("I").itemsize == 4 and array("Q").itemsize == 8
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # the upper bound (2**64-1) is msgpack's own: larger ints do not exist there
-_Medium = Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
+# a tier name ([A-Z][A-Z0-9_]{0,31}): checked by the consumers' decode (consumers.index_codec.wire_batch,
+# against a cache of names seen), not here, where a regular expression per event cost half the decode
+_Medium = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+MEDIUM_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,31}$")
 
 
 class WStored(msgspec.Struct, tag="s", array_like=True, gc=False):
@@ -102,6 +106,7 @@ class WGone(msgspec.Struct, tag="g", array_like=True, gc=False):
 
 
 WEvent = Union[WStored, WRemoved, WCleared, WReset, WGone]
+_WIRE_EVENTS = frozenset((WStored, WRemoved, WCleared, WReset, WGone))
 
 
 class WBatch(msgspec.Struct, tag=BATCH_TAG, array_like=True, gc=False):
@@ -124,7 +129,14 @@ class WGroupRaw(msgspec.Struct, tag=GROUP_TAG, array_like=True, gc=False):
     batches: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
 
 
+class WGroup(msgspec.Struct, tag=GROUP_TAG, array_like=True, gc=False):
+    """A group decoded whole (one call for all its batches; a bad one fails it: then
+    :class:`WGroupRaw` takes the batches one by one)."""
+    batches: Annotated[list[WBatch], msgspec.Meta(min_length=1)]
+
+
 _decoder = msgspec.msgpack.Decoder(WBatch)
+_group_decoder = msgspec.msgpack.Decoder(WGroup)
 _any_decoder = msgspec.msgpack.Decoder(Union[WBatch, WGroupRaw])
 _encoder = msgspec.msgpack.Encoder()
 _GROUP_HEAD = _encoder.encode(GROUP_TAG)
@@ -163,6 +175,9 @@ def to_wire(batch: Any) -> WBatch:
     expressed (token ids past 32 bits, hashes past 64): send it as JSON then."""
     events: list = []
     for e in batch.events:
+        if type(e) in _WIRE_EVENTS:  # already in this form (the bridge's compiled decoder)
+            events.append(e)
+            continue
         t = e.type
         if t == "stored":
             salts = getattr(e, "block_salts", None)
@@ -210,6 +225,12 @@ def split(data: bytes) -> list[bytes] | None:
     if type(w) is WGroupRaw:
         return [bytes(r) for r in w.batches]
     return None
+
+
+def decode_group(data: bytes) -> list[WBatch]:
+    """Every batch of a group message, decoded in one call; ``msgspec.DecodeError`` /
+    ``ValidationError`` when the message or any of its batches is not valid."""
+    return _group_decoder.decode(data).batches
 
 
 def is_group(data: bytes) -> bool:

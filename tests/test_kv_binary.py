@@ -177,6 +177,20 @@ def test_bad_binary_is_a_validation_failure_naming_why(data, why):
         KvEventBatch.from_bytes(data)
 
 
+@pytest.mark.parametrize("medium", ["gpu", "G-PU", "9GPU", "É"])
+def test_a_medium_that_is_not_a_tier_name_is_refused(medium):
+    """Tier names are checked by the consumers' decode (the wire struct only bounds the length): a
+    binary batch naming another medium is refused, by the fast path and by the careful one."""
+    w = kv_binary.WBatch(1, "p", "m", 0, 0, 1, 1.0, [kv_binary.WRemoved(kv_binary.pack([5], "Q"), medium)])
+    data = msgspec.msgpack.encode(w)
+    with pytest.raises(ValidationFailure, match="tier name"):
+        decode_batch(data)
+    with pytest.raises(ValueError, match="tier name"):
+        wire_batch(data)
+    ok = msgspec.msgpack.encode(kv_binary.WBatch(1, "p", "m", 0, 0, 1, 1.0, [kv_binary.WRemoved(kv_binary.pack([5], "Q"), "CPU_2")]))
+    assert wire_batch(ok).events[0].medium == "CPU_2"
+
+
 def test_ragged_arrays_are_refused():
     good = kv_binary.to_wire(KvEventBatch(pod="p", model="m", seq=0, ts=1.0, events=[
         BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3, 4], block_size=2)]))
