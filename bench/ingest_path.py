@@ -202,6 +202,9 @@ def indexer_role(url: str, lag_file: str, port: int) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, svc.request_stop)
         await svc.start()
+        from infernex.commands.common import settle_gc
+
+        settle_gc()  # as `infernex indexer` does once started
         print("ready", flush=True)
         try:
             await svc.run_forever()

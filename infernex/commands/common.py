@@ -4,6 +4,7 @@ the one duration parser, port checks."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
 from datetime import datetime, timezone
@@ -29,6 +30,18 @@ def nats_error(exc: BaseException) -> str:
     """The one line for an unreachable NATS: the address, the reason, and what to do."""
     text = str(exc).rstrip().rstrip(":") or type(exc).__name__
     return f"{text} ({NATS_HINT})"
+
+
+def settle_gc() -> None:
+    """For a long-running service once it has started: collect, then move every object alive now
+    (imports, settings, compiled kernels' dispatchers, the restored index) out of the cyclic
+    collector's scans, and collect the young generation less often. Without it, the collections
+    that the hot path's allocations trigger rescan those ~150k start-up objects each time (measured
+    in bench/ingest_path.py: 0.17-0.30 s of collector time in the indexer over one run; 0.006 s
+    after). The process is ours; an application embedding these services decides for itself."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 1000)
 
 
 def fast_loop_runner():

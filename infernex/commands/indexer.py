@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import signal
 from typing import Optional
 
 import typer
 from rich.console import Console
+
+from infernex.commands.common import settle_gc
 
 console = Console()
 err = Console(stderr=True)
@@ -57,10 +58,7 @@ def indexer(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, service.request_stop)
         await service.start()
-        # the index is millions of long-lived objects: keep the cyclic GC from rescanning them
-        # (this process is ours; an embedding application decides for itself)
-        gc.freeze()
-        gc.set_threshold(50_000, 50, 1000)
+        settle_gc()  # the restored index and start-up objects out of the cyclic GC's rescans
         where = f"http://{cfg.http_host}:{service.http_port}" if service.http_port else "no HTTP"
         print(f"indexer ready: {where} stream={service.stream} from_seq={service.applied_seq + 1} "
               f"restored_batches={service.restored_batches}", flush=True)

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from infernex.commands.common import run_async as _run
+from infernex.commands.common import run_async as _run, settle_gc
 
 err = Console(stderr=True)
 out = Console()
@@ -95,6 +95,11 @@ def bridge_vllm_kv(
 
     async def go():
         await _serve_health(metrics_port, registry, health, metrics_host)
+        from consumers import kv_transcode, kv_wire_compiled
+
+        kv_wire_compiled.warm_up()  # the kernels first (numba's dispatchers are start-up objects too)
+        kv_transcode.warm_up()
+        settle_gc()
         stats = await run_bridge(cfg, settings.nats, registry=registry, stop=_stop_event(), health=health,
                                  max_frame_age_s=max_frame_age)
         out.print(f"bridge stopped: {stats.frames} frames, {stats.published} batches published, "

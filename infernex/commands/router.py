@@ -124,6 +124,9 @@ async def _serve(cfg, nats_cfg) -> None:
     except BaseException:
         await app.stop(drain=False)
         raise
+    from infernex.commands.common import settle_gc
+
+    settle_gc()
     console.print(f"[green]hermes-router[/green] on {url}  strategy={cfg.strategy} pool={cfg.pool} "
                   f"backends={len(app.state.snapshot())} bus={'on' if cfg.bus else 'off'}"
                   + (f" epp=grpc://{cfg.host}:{app.epp.port}" if app.epp else ""), highlight=False)
