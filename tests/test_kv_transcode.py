@@ -160,3 +160,51 @@ def test_engine_shaped_frames_transcode_in_one_run():
     assert len(got) == 60
     for i, (f, g) in enumerate(zip(frames, got)):
         assert g == python_path(f, 7 + i, 0)[:3]
+
+
+def test_the_bridge_without_numba_publishes_the_same_bytes(tmp_path):
+    """The engine-side sidecar's base install has no numba: the bridge then decodes in Python and
+    publishes the same batches (checked in a process where numba cannot be imported)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rng = random.Random(4)
+    frames = [_frame(rng, [{"type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(3)],
+                            "parent_block_hash": None, "token_ids": list(range(i, i + 6)), "block_size": 2,
+                            "lora_id": None, "medium": "GPU", "lora_name": None},
+                           {"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"}]) for i in range(5)]
+    (tmp_path / "frames.bin").write_bytes(msgspec.msgpack.encode(frames))
+    script = """
+import asyncio, sys
+sys.modules["numba"] = None  # as in the base install
+import msgspec
+from consumers.kv_bridge import BridgeConfig, KvBridge
+
+class NC:
+    def jetstream(self):
+        return object()
+
+class Sink:
+    items = []
+    async def put(self, item):
+        self.items.append(item.data)
+
+async def main():
+    b = KvBridge(BridgeConfig(endpoint="tcp://127.0.0.1:1", pod="pod-7", model="Qwen/Qwen3-8B", dp_rank=3,
+                              group_max=1), NC())
+    assert b._transcoder is None and not b._decoder.compiled
+    b.publisher = Sink()
+    for seq, p in enumerate(msgspec.msgpack.decode(open(sys.argv[1], "rb").read())):
+        await b.handle_frame([b"", seq.to_bytes(8, "big"), p])
+    sys.stdout.buffer.write(msgspec.msgpack.encode(Sink.items))
+
+asyncio.run(main())
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "frames.bin")], cwd=root, capture_output=True,
+                         check=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}).stdout
+    got = msgspec.msgpack.decode(out)
+    with_numba = kt.Transcoder(POD, MODEL, DP, {}).transcode(frames, 0, 0)
+    assert len(got) == len(with_numba) == 5
+    assert got == [data for data, _, _ in with_numba]
