@@ -77,7 +77,7 @@ from schemas.kv import MAX_EPOCH, MAX_SEQ
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # plain ints: the enums cost a construction per call
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: the flag enum costs a construction per call
 GAP_POLICIES = ("keep", "reset")
 
 _json_enc = msgspec.json.Encoder()
@@ -807,7 +807,7 @@ class KvBridge:
         sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
         sub.connect(self.cfg.endpoint)
         raw = zmq.Socket.shadow(sub.underlying)  # sync view for draining without awaits
-        recv, more = raw.recv, raw.get
+        recv = raw.recv
         await self.publisher.start()
         sender = asyncio.create_task(self.publisher.run(), name=f"kv-bridge-sender-{self._pod}")
         self.ready.set()
@@ -831,11 +831,13 @@ class KvBridge:
                 drained = []
                 for _ in range(1000):
                     try:
-                        frames = [recv(_NOBLOCK)]
+                        f = recv(_NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    while more(_RCVMORE):  # (recv_multipart, without its per-call option enum)
-                        frames.append(recv(_NOBLOCK))
+                    frames = [f.bytes]
+                    while f.more:  # (recv_multipart, without the option enum its RCVMORE test builds per part)
+                        f = recv(_NOBLOCK, copy=False)
+                        frames.append(f.bytes)
                     drained.append(frames)
                 await self._handle_frames(drained, t0)  # the ones ready together may go as one group
                 if self._pending and t0 - flushed_at < wait:
