@@ -62,25 +62,6 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]: ...
 
-    def _encode_compiled(self, text: str, dtype: type = np.int64) -> np.ndarray | None:
-        """ASCII text in one compiled pass (no memo needed), or None without numba."""
-        kernel = _ascii_kernel()
-        if kernel is None:
-            return None
-        out = np.empty(len(text), dtype=dtype)
-        k = kernel.encode_ascii(np.frombuffer(text.encode("ascii"), dtype=np.uint8), _syllable_table(),
-                                len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
-        return out[:k]
-
-    def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
-        """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the
-        router hashes into block keys, without a Python int per token."""
-        if len(text) > _CHUNK and text.isascii():
-            ids = self._encode_compiled(text, np.uint32)
-            if ids is not None:
-                return ids
-        return np.array(self.encode(text), dtype=np.uint32)
-
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> str: ...
@@ -458,25 +439,6 @@ class HFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return self._tok.encode(text, add_special_tokens=_wants_specials(text, add_special_tokens)).ids
-
-    def _encode_compiled(self, text: str, dtype: type = np.int64) -> np.ndarray | None:
-        """ASCII text in one compiled pass (no memo needed), or None without numba."""
-        kernel = _ascii_kernel()
-        if kernel is None:
-            return None
-        out = np.empty(len(text), dtype=dtype)
-        k = kernel.encode_ascii(np.frombuffer(text.encode("ascii"), dtype=np.uint8), _syllable_table(),
-                                len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
-        return out[:k]
-
-    def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
-        """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the
-        router hashes into block keys, without a Python int per token."""
-        if len(text) > _CHUNK and text.isascii():
-            ids = self._encode_compiled(text, np.uint32)
-            if ids is not None:
-                return ids
-        return np.array(self.encode(text), dtype=np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))

@@ -30,6 +30,10 @@ def test_local_hugging_face_tokenizer_json(tmp_path):
     assert enc.encode("completions", {"prompt": "hello world"}) == [1, 2]
     ids = enc.encode("chat", {"messages": [{"role": "user", "content": "hello"}]})
     assert 1 in ids and 5 in ids and 7 in ids  # the chat template was applied before encoding
+    # the routing path's array form is the same tokenizer's ids (long ASCII text: where the toy
+    # tokenizer would take its compiled path), never another tokenizer's
+    long = {"prompt": "hello world " * 60}
+    assert list(enc.encode("completions", long, as_array=True)) == enc.encode("completions", long) == [1, 2] * 60
 
 
 from hypothesis import given, settings  # noqa: E402
