@@ -16,6 +16,7 @@ import msgpack
 import msgspec
 import numpy as np
 
+from consumers.kv_wire_compiled import raw_arrays
 from schemas import KvEventBatch, ValidationFailure, decode_event
 from schemas import kv_binary
 from schemas.base import SCHEMA_VERSION
@@ -327,20 +328,10 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
         return None
     stored_t, removed_t = (_RStored, _RRemoved) if raw else (_LStored, _LRemoved)
     if raw:
-        raws: list = []
-        to32 = bytearray()
-        for e in b.events:
-            t = type(e)
-            if t is stored_t:
-                raws.append(e.block_hashes)
-                raws.append(e.token_ids)
-                to32 += b"\x00\x01"
-            elif t is removed_t:
-                raws.append(e.block_hashes)
-                to32 += b"\x00"
+        raws, to32 = raw_arrays(b.events, (stored_t,), (removed_t,))
         if raws:
             bad, v64, v32, counts = parse_uint_arrays(np.frombuffer(b"".join(raws), dtype=np.uint8),
-                                                      np.frombuffer(bytes(to32), dtype=np.uint8))
+                                                      np.frombuffer(to32, dtype=np.uint8))
             if bad >= 0:
                 return None
             counts = counts.tolist()

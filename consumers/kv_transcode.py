@@ -15,24 +15,13 @@ against the Python path on vLLM's own fixtures and on generated frames.
 
 from __future__ import annotations
 
-import sys
-
 import msgspec
 import numpy as np
 
+from consumers.kv_wire_compiled import _TOKEN_SIZE, AVAILABLE, PAD, _array, _be, _digest, _int, njit
 from schemas import kv_binary
 
-try:
-    from numba import njit
-except ImportError:  # the base install: the Python path only
-    njit = None
-
-AVAILABLE = njit is not None and sys.byteorder == "little"
-PAD = 8  # bytes the kernel may read past a frame's end (never used)
 OK, STOP = 0, 1
-_TOKEN_SIZE = np.full(256, 255, dtype=np.uint8)  # bytes after a token id's first byte; 255: not a token id
-_TOKEN_SIZE[:0x80] = 0  # positive fixint
-_TOKEN_SIZE[0xCC], _TOKEN_SIZE[0xCD], _TOKEN_SIZE[0xCE] = 1, 2, 4  # uint 8 / 16 / 32
 
 # constant strings the kernel compares with, end to end in one array: (offset, length) each
 _WORDS = [b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id", b"medium",
@@ -42,13 +31,6 @@ _CONST = np.frombuffer(b"".join(_WORDS), dtype=np.uint8)
 _OFF = np.cumsum([0] + [len(w) for w in _WORDS]).astype(np.int64)
 (K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_BS, K_LORA_ID, K_MEDIUM, K_LORA_NAME, K_EXTRA, K_GROUP, K_KIND,
  V_STORED, V_REMOVED, V_CLEARED, V_FULL, V_MLA, V_SINK) = range(len(_WORDS))
-
-
-def _be(buf, pos, size):  # pragma: no cover - compiled
-    v = np.uint64(0)
-    for j in range(size):
-        v = (v << np.uint64(8)) | np.uint64(buf[pos + j])
-    return v
 
 
 def _word(buf, s, ln, w, lower):  # pragma: no cover - compiled
@@ -122,33 +104,6 @@ def _skip(buf, pos, n):  # pragma: no cover - compiled
     return pos if pos <= n else -1
 
 
-def _int(buf, pos, n):  # pragma: no cover - compiled
-    """``(kind, value, negative, next)`` of the value at ``pos``: kind 0 an int (two's complement in
-    ``value``), 1 nil, -1 anything else."""
-    c = np.int64(buf[pos])
-    if c <= 0x7F:
-        return 0, np.uint64(c), False, pos + 1
-    if c == 0xC0:
-        return 1, np.uint64(0), False, pos + 1
-    if c >= 0xE0:
-        return 0, np.uint64(0xFFFFFFFFFFFFFF00) | np.uint64(c), True, pos + 1
-    if 0xCC <= c <= 0xCF:
-        size = 1 << (c - 0xCC)
-        if pos + 1 + size > n:
-            return -1, np.uint64(0), False, pos
-        return 0, _be(buf, pos + 1, size), False, pos + 1 + size
-    if 0xD0 <= c <= 0xD3:
-        size = 1 << (c - 0xD0)
-        if pos + 1 + size > n:
-            return -1, np.uint64(0), False, pos
-        v = _be(buf, pos + 1, size)
-        neg = buf[pos + 1] >= 0x80
-        if neg and size < 8:
-            v |= ~((np.uint64(1) << np.uint64(8 * size)) - np.uint64(1))
-        return 0, v, neg, pos + 1 + size
-    return -1, np.uint64(0), False, pos
-
-
 def _str(buf, pos, n):  # pragma: no cover - compiled
     """``(start, length, next)`` of a str at ``pos``; length -1 when it is nil, -2 when not a str."""
     c = np.int64(buf[pos])
@@ -167,16 +122,12 @@ def _str(buf, pos, n):  # pragma: no cover - compiled
     return s, ln, s + ln
 
 
-def _array(buf, pos, n):  # pragma: no cover - compiled
-    """``(count, next)`` of an array header at ``pos`` (count -1 when not an array)."""
-    c = np.int64(buf[pos])
-    if 0x90 <= c <= 0x9F:
-        return c - 0x90, pos + 1
-    if c == 0xDC and pos + 3 <= n:
-        return np.int64(_be(buf, pos + 1, 2)), pos + 3
-    if c == 0xDD and pos + 5 <= n:
-        return np.int64(_be(buf, pos + 1, 4)), pos + 5
-    return -1, pos
+def _w_be(out, p, v, size):  # pragma: no cover - compiled
+    """``v``'s low ``size`` bytes, big-endian, after the marker at ``out[p]``; the next position."""
+    for j in range(size):
+        out[p + size - j] = np.uint8(v & np.uint64(0xFF))
+        v >>= np.uint64(8)
+    return p + 1 + size
 
 
 def _w_uint(out, p, v):  # pragma: no cover - compiled
@@ -186,20 +137,15 @@ def _w_uint(out, p, v):  # pragma: no cover - compiled
         return p + 1
     if v <= np.uint64(0xFF):
         out[p] = 0xCC
-        size = 1
-    elif v <= np.uint64(0xFFFF):
+        return _w_be(out, p, v, 1)
+    if v <= np.uint64(0xFFFF):
         out[p] = 0xCD
-        size = 2
-    elif v <= np.uint64(0xFFFFFFFF):
+        return _w_be(out, p, v, 2)
+    if v <= np.uint64(0xFFFFFFFF):
         out[p] = 0xCE
-        size = 4
-    else:
-        out[p] = 0xCF
-        size = 8
-    for j in range(size):
-        out[p + size - j] = np.uint8(v & np.uint64(0xFF))
-        v >>= np.uint64(8)
-    return p + 1 + size
+        return _w_be(out, p, v, 4)
+    out[p] = 0xCF
+    return _w_be(out, p, v, 8)
 
 
 def _w_int(out, p, v, neg):  # pragma: no cover - compiled
@@ -212,20 +158,15 @@ def _w_int(out, p, v, neg):  # pragma: no cover - compiled
         return p + 1
     if s >= -128:
         out[p] = 0xD0
-        size = 1
-    elif s >= -32768:
+        return _w_be(out, p, v, 1)
+    if s >= -32768:
         out[p] = 0xD1
-        size = 2
-    elif s >= -2147483648:
+        return _w_be(out, p, v, 2)
+    if s >= -2147483648:
         out[p] = 0xD2
-        size = 4
-    else:
-        out[p] = 0xD3
-        size = 8
-    for j in range(size):
-        out[p + size - j] = np.uint8(v & np.uint64(0xFF))
-        v >>= np.uint64(8)
-    return p + 1 + size
+        return _w_be(out, p, v, 4)
+    out[p] = 0xD3
+    return _w_be(out, p, v, 8)
 
 
 def _w_bin(out, p, nbytes):  # pragma: no cover - compiled
@@ -288,12 +229,9 @@ def _hashes(buf, pos, n, out, p):  # pragma: no cover - compiled
             p += 8
             continue
         if c == 0xC4:
-            size = np.int64(buf[pos + 1])
-            if size == 0 or pos + 2 + size > n:
+            ok, v, pos = _digest(buf, pos, n)
+            if not ok:
                 return -1, pos, p
-            take = 8 if size > 8 else size
-            v = _be(buf, pos + 2 + size - take, take)
-            pos += 2 + size
         else:
             kind, v, neg, pos = _int(buf, pos, n)
             if kind != 0:
@@ -396,13 +334,11 @@ def _event(buf, pos, n, out, p, groups):  # pragma: no cover - compiled
                 continue
             tk_at = pos  # written after the map is read
         elif _word(buf, ks, kl, K_PARENT, False):
-            if buf[pos] == 0xC4:  # a digest: its last 8 bytes, big-endian (an empty one: the Python path)
-                size = np.int64(buf[pos + 1])
-                if size == 0 or pos + 2 + size > n:
+            if buf[pos] == 0xC4:  # a digest (an empty one: the Python path)
+                ok, parent, pos = _digest(buf, pos, n)
+                if not ok:
                     return STOP, pos, p, 0, 0
-                take = 8 if size > 8 else size
-                parent_kind, parent = 0, _be(buf, pos + 2 + size - take, take)
-                pos += 2 + size
+                parent_kind = 0
                 continue
             parent_kind, parent, neg, q = _int(buf, pos, n)
             if parent_kind < 0:
@@ -597,12 +533,10 @@ def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_e
 
 
 if AVAILABLE:
-    _be = njit(inline="always", cache=True)(_be)
     _word = njit(inline="always", cache=True)(_word)
     _skip = njit(cache=True)(_skip)
-    _int = njit(inline="always", cache=True)(_int)
     _str = njit(inline="always", cache=True)(_str)
-    _array = njit(inline="always", cache=True)(_array)
+    _w_be = njit(inline="always", cache=True)(_w_be)
     _w_uint = njit(inline="always", cache=True)(_w_uint)
     _w_int = njit(cache=True)(_w_int)
     _w_bin = njit(inline="always", cache=True)(_w_bin)

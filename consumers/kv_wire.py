@@ -423,19 +423,9 @@ class FrameDecoder:
             break
         if batch is None:
             return None
-        raws: list = []
-        kinds = bytearray()
-        for e in batch.events:
-            cls = type(e)
-            if cls in _STORED:
-                raws.append(e.block_hashes)
-                raws.append(e.token_ids)
-                kinds += b"\x00\x01"
-            elif cls in _REMOVED:
-                raws.append(e.block_hashes)
-                kinds += b"\x00"
+        raws, kinds = _compiled.raw_arrays(batch.events, _STORED, _REMOVED)
         if raws:
-            got = self.arrays.parse(raws, bytes(kinds))
+            got = self.arrays.parse(raws, kinds)
             if got is None:
                 return None
             h64, t32, lens = got

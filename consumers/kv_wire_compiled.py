@@ -34,17 +34,60 @@ KIND_TOKENS = 1  # u32: non-negative ints below 2**32
 
 
 def _be(buf, pos, size):  # pragma: no cover - compiled
-    if size == 1:
-        return np.uint64(buf[pos])
-    if size == 2:
-        return np.uint64(buf[pos]) << np.uint64(8) | np.uint64(buf[pos + 1])
-    if size == 4:
-        return (np.uint64(buf[pos]) << np.uint64(24) | np.uint64(buf[pos + 1]) << np.uint64(16)
-                | np.uint64(buf[pos + 2]) << np.uint64(8) | np.uint64(buf[pos + 3]))
+    """``size`` bytes from ``pos``, big-endian (a constant ``size`` unrolls)."""
     v = np.uint64(0)
     for j in range(size):
         v = (v << np.uint64(8)) | np.uint64(buf[pos + j])
     return v
+
+
+def _int(buf, pos, n):  # pragma: no cover - compiled
+    """``(kind, value, negative, next)`` of the msgpack value at ``pos``: kind 0 an int (two's
+    complement in ``value``), 1 nil, -1 anything else (or cut short)."""
+    c = np.int64(buf[pos])
+    if c <= 0x7F:
+        return 0, np.uint64(c), False, pos + 1
+    if c == 0xC0:
+        return 1, np.uint64(0), False, pos + 1
+    if c >= 0xE0:
+        return 0, np.uint64(0xFFFFFFFFFFFFFF00) | np.uint64(c), True, pos + 1
+    if 0xCC <= c <= 0xCF:
+        size = 1 << (c - 0xCC)
+        if pos + 1 + size > n:
+            return -1, np.uint64(0), False, pos
+        return 0, _be(buf, pos + 1, size), False, pos + 1 + size
+    if 0xD0 <= c <= 0xD3:
+        size = 1 << (c - 0xD0)
+        if pos + 1 + size > n:
+            return -1, np.uint64(0), False, pos
+        v = _be(buf, pos + 1, size)
+        neg = buf[pos + 1] >= 0x80
+        if neg and size < 8:
+            v |= ~((np.uint64(1) << np.uint64(8 * size)) - np.uint64(1))
+        return 0, v, neg, pos + 1 + size
+    return -1, np.uint64(0), False, pos
+
+
+def _array(buf, pos, n):  # pragma: no cover - compiled
+    """``(count, next)`` of an array header at ``pos`` (count -1 when not an array)."""
+    c = np.int64(buf[pos])
+    if 0x90 <= c <= 0x9F:
+        return c - 0x90, pos + 1
+    if c == 0xDC and pos + 3 <= n:
+        return np.int64(_be(buf, pos + 1, 2)), pos + 3
+    if c == 0xDD and pos + 5 <= n:
+        return np.int64(_be(buf, pos + 1, 4)), pos + 5
+    return -1, pos
+
+
+def _digest(buf, pos, n):  # pragma: no cover - compiled
+    """``(ok, value, next)`` of a bin 8 digest at ``pos``: its last 8 bytes, big-endian, as vLLM
+    turns a digest into an int (an empty one is refused)."""
+    size = np.int64(buf[pos + 1]) if pos + 1 < n else np.int64(0)
+    if size == 0 or pos + 2 + size > n:
+        return False, np.uint64(0), pos
+    take = 8 if size > 8 else size
+    return True, _be(buf, pos + 2 + size - take, take), pos + 2 + size
 
 
 def _parse(buf, n, kinds, out64, out32, counts):  # pragma: no cover - compiled (numba), exercised through kv_wire
@@ -61,17 +104,8 @@ def _parse(buf, n, kinds, out64, out32, counts):  # pragma: no cover - compiled 
     for a in range(k):
         if pos >= n:
             return a, 0, 0
-        h = buf[pos]
-        if 0x90 <= h <= 0x9F:
-            m = h - 0x90
-            pos += 1
-        elif h == 0xDC and pos + 3 <= n:
-            m = int(_be(buf, pos + 1, 2))
-            pos += 3
-        elif h == 0xDD and pos + 5 <= n:
-            m = int(_be(buf, pos + 1, 4))
-            pos += 5
-        else:
+        m, pos = _array(buf, pos, n)
+        if m < 0:
             return a, 0, 0
         if kinds[a] == KIND_TOKENS:
             # token ids: fixint, uint 8 / 16 / 32, decoded without a branch on the width (which
@@ -96,37 +130,14 @@ def _parse(buf, n, kinds, out64, out32, counts):  # pragma: no cover - compiled 
                 p64 += 1
                 pos += 9
                 continue
-            if c <= 0x7F:
-                v = np.uint64(c)
-                pos += 1
-            elif 0xCC <= c <= 0xCF:
-                size = 1 << (c - 0xCC)
-                if pos + 1 + size > n:
+            if c == 0xC4:  # bin 8: a bytes digest
+                ok, v, pos = _digest(buf, pos, n)
+                if not ok:
                     return a, 0, 0
-                v = _be(buf, pos + 1, size)
-                pos += 1 + size
-            elif c >= 0xE0:  # negative fixint
-                v = np.uint64(0xFFFFFFFFFFFFFF00) | np.uint64(c)
-                pos += 1
-            elif 0xD0 <= c <= 0xD3:
-                size = 1 << (c - 0xD0)
-                if pos + 1 + size > n:
-                    return a, 0, 0
-                v = _be(buf, pos + 1, size)
-                if buf[pos + 1] >= 0x80 and size < 8:  # negative: sign-extend to 64 bits
-                    v |= ~((np.uint64(1) << np.uint64(8 * size)) - np.uint64(1))
-                pos += 1 + size
-            elif c == 0xC4:  # bin 8: a bytes digest, its last 8 bytes big-endian
-                if pos + 2 > n:
-                    return a, 0, 0
-                size = int(buf[pos + 1])
-                if size == 0 or pos + 2 + size > n:
-                    return a, 0, 0
-                take = 8 if size > 8 else size
-                v = _be(buf, pos + 2 + size - take, take)
-                pos += 2 + size
             else:
-                return a, 0, 0
+                kind, v, neg, pos = _int(buf, pos, n)
+                if kind != 0:
+                    return a, 0, 0
             out64[p64] = v
             p64 += 1
         counts[a] = m
@@ -137,9 +148,30 @@ def _parse(buf, n, kinds, out64, out32, counts):  # pragma: no cover - compiled 
 
 if AVAILABLE:
     _be = njit(inline="always", cache=True)(_be)
+    _int = njit(inline="always", cache=True)(_int)
+    _array = njit(inline="always", cache=True)(_array)
+    _digest = njit(inline="always", cache=True)(_digest)
     parse_arrays = njit(cache=True)(_parse)
 else:
     parse_arrays = None
+
+
+def raw_arrays(events, stored: tuple[type, ...], removed: tuple[type, ...]) -> tuple[list, bytes]:
+    """The raw integer arrays of decoded events (each store's hashes then token ids, each removal's
+    hashes) and their kinds (:data:`KIND_HASHES` / :data:`KIND_TOKENS`), in order: what a kernel
+    walks in one call."""
+    raws: list = []
+    kinds = bytearray()
+    for e in events:
+        t = type(e)
+        if t in stored:
+            raws.append(e.block_hashes)
+            raws.append(e.token_ids)
+            kinds += b"\x00\x01"
+        elif t in removed:
+            raws.append(e.block_hashes)
+            kinds += b"\x00"
+    return raws, bytes(kinds)
 
 
 def warm_up() -> bool:
