@@ -458,8 +458,8 @@ def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_e
     for f in range(starts.shape[0]):
         pos, n = starts[f], ends[f]
         g0, g1 = groups[0], groups[1]
-        if pos >= n or buf[pos] < 0x92 or buf[pos] > 0x93 or buf[pos + 1] != 0xCB:
-            return f
+        if n - pos < 12 or buf[pos] < 0x92 or buf[pos] > 0x93 or buf[pos + 1] != 0xCB:
+            return f  # (the header, the time and an events array take 12 bytes at least)
         three = buf[pos] == 0x93
         ts_at = pos + 2
         if buf[ts_at] >= 0x80 or (buf[ts_at] == 0x7F and buf[ts_at + 1] >= 0xF0):
@@ -592,7 +592,9 @@ class Transcoder:
         ends = np.cumsum(lens)
         starts = ends - lens
         buf = np.frombuffer(b"".join((*payloads, bytes(PAD))), dtype=np.uint8)
-        need = 4 * int(ends[-1]) + 256 * len(payloads) + 64
+        # the output's bound: a hash can grow from 1 byte (a fixint) to 8, a token id from 1 to 4;
+        # each batch adds its header (pod and model included) and its scratch room
+        need = 8 * int(ends[-1]) + (len(self.head) + 128) * len(payloads) + 64
         if need > len(self._out):
             self._out = np.empty(need, dtype=np.uint8)
         k = len(payloads)
