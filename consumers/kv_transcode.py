@@ -605,14 +605,8 @@ class Transcoder:
                                 out_end, counts)
         if self._masks[0]:
             self._sync_out()
-        res = []
-        raw = self._out[:int(out_end[done - 1])].tobytes() if done else b""
-        prev = 0
-        for i in range(done):
-            e = int(out_end[i])
-            res.append((raw[prev:e], int(counts[i, 0]), int(counts[i, 1])))
-            prev = e
-        return res
+        out, ends_out, n = self._out, out_end[:done].tolist(), counts[:done].tolist()
+        return [(out[b:e].tobytes(), st, rm) for b, e, (st, rm) in zip([0, *ends_out], ends_out, n)]
 
 
 def warm_up() -> bool:

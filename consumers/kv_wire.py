@@ -372,14 +372,7 @@ class FrameDecoder:
             got = self._decode_compiled(payload, arr)
             if got is not None:
                 return got
-        batch = None
-        for maps in (self.map_events, not self.map_events):
-            try:
-                batch = _TYPED[(arr, maps)].decode(payload)
-            except msgspec.DecodeError:
-                continue
-            self.map_events = maps
-            break
+        batch = self._typed(_TYPED, payload, arr)
         skipped: dict[str, int] = {}
         out: list[Any] = []
         counts = [0, 0]
@@ -410,17 +403,22 @@ class FrameDecoder:
                     skipped[str(s)] = skipped.get(str(s), 0) + 1
         return _normalized(batch, out, counts, skipped)
 
-    def _decode_compiled(self, payload: bytes, arr: bool) -> Normalized | None:
-        """The frame with its integer arrays walked by the compiled kernel, or None when it does not
-        fit a typed shape or one of its arrays is refused (the Python path then decides, per event)."""
-        batch = None
+    def _typed(self, decoders: dict, payload: bytes, arr: bool) -> Any:
+        """The batch by the typed decoder of the event shape the last batch had, else the other
+        shape's (remembered); None when neither fits."""
         for maps in (self.map_events, not self.map_events):
             try:
-                batch = _TYPED_RAW[(arr, maps)].decode(payload)
+                batch = decoders[(arr, maps)].decode(payload)
             except msgspec.DecodeError:
                 continue
             self.map_events = maps
-            break
+            return batch
+        return None
+
+    def _decode_compiled(self, payload: bytes, arr: bool) -> Normalized | None:
+        """The frame with its integer arrays walked by the compiled kernel, or None when it does not
+        fit a typed shape or one of its arrays is refused (the Python path then decides, per event)."""
+        batch = self._typed(_TYPED_RAW, payload, arr)
         if batch is None:
             return None
         raws, kinds = _compiled.raw_arrays(batch.events, _STORED, _REMOVED)
