@@ -24,7 +24,7 @@ from schemas.kv import MAX_EPOCH, MAX_SEQ, U64, AllBlocksCleared, BlockRemoved, 
 from streams.kv_core import parse_uint_arrays
 from streams.kv_index import KvIndex
 
-SNAPSHOT_FORMAT = 4
+SNAPSHOT_FORMAT = 5  # 5: keys chain block digests (streams.kv_core); 4 chained tokens directly
 _LITTLE = sys.byteorder == "little"
 
 
@@ -90,7 +90,7 @@ def decode_snapshot(data: bytes) -> tuple[int, float, list[KvEventBatch]]:
                 events.append(_mk_stored(
                     type="stored", block_hashes=_le_array(r[1]), parent_block_hash=None, token_ids=[],
                     block_size=r[3], lora_id=None, lora_name=None, medium=r[4], parent_key=None,
-                    block_keys=_le_array(r[2]), block_salts=None))
+                    block_keys=_le_array(r[2]), block_digests=None, block_salts=None))
             elif r[0] == "g":
                 events.append(PodGone())
             else:
@@ -149,7 +149,8 @@ def _mirror(name: str, hashes: Any, tokens: Any) -> tuple[type, type, msgspec.js
         ("block_hashes", hashes), ("token_ids", tokens), ("block_size", Annotated[int, msgspec.Meta(gt=0)]),
         ("parent_block_hash", _Hash | None, None), ("lora_id", int | None, None), ("lora_name", str | None, None),
         ("medium", _Medium | None, None), ("parent_key", _Hash | None, None),
-        ("block_keys", list[_Hash] | None, None), ("block_salts", list[_Hash] | None, None)],
+        ("block_keys", list[_Hash] | None, None), ("block_digests", list[_Hash] | None, None),
+        ("block_salts", list[_Hash] | None, None)],
         tag="stored", **opts)
     removed = msgspec.defstruct(f"_{name}Removed", [("block_hashes", hashes), ("medium", _Medium | None, None)],
                                 tag="removed", **opts)
@@ -266,8 +267,13 @@ def _checked(w: kv_binary.WBatch) -> kv_binary.WBatch:
             e.token_ids = toks = _view(e.token_ids, "I", f"events.{i}.token_ids")
             if e.block_keys is not None:
                 e.block_keys = keys = _view(e.block_keys, "Q", f"events.{i}.block_keys")
-                if len(keys) != nh or len(toks) or 0 in keys:
-                    raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block and no token_ids")
+                if len(keys) != nh or len(toks) or 0 in keys or e.block_digests is not None:
+                    raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block, and no "
+                                      f"token_ids or block_digests")
+            elif e.block_digests is not None:
+                e.block_digests = dg = _view(e.block_digests, "Q", f"events.{i}.block_digests")
+                if len(dg) != nh or len(toks):
+                    raise BinaryError(f"events.{i}: block_digests must give one digest per block and no token_ids")
             elif len(toks) != nh * e.block_size:
                 raise BinaryError(f"events.{i}.token_ids has {len(toks)} tokens but {nh} blocks of block_size "
                                   f"{e.block_size} need {nh * e.block_size}")
@@ -299,7 +305,8 @@ def binary_batch(data: bytes) -> KvEventBatch:
                 type="stored", block_hashes=np.frombuffer(e.block_hashes, dtype=_U64_LE), parent_block_hash=e.parent_block_hash,
                 token_ids=np.frombuffer(e.token_ids, dtype=_U32_LE), block_size=e.block_size, lora_id=e.lora_id,
                 lora_name=e.lora_name, medium=e.medium, parent_key=e.parent_key,
-                block_keys=_array(e.block_keys, _U64_LE), block_salts=_array(e.block_salts, _U64_LE)))
+                block_keys=_array(e.block_keys, _U64_LE), block_digests=_array(e.block_digests, _U64_LE),
+                block_salts=_array(e.block_salts, _U64_LE)))
         elif t is kv_binary.WRemoved:
             events.append(_mk_removed(type="removed", block_hashes=np.frombuffer(e.block_hashes, dtype=_U64_LE),
                                       medium=e.medium))
@@ -355,7 +362,11 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
                 if max(hashes) > U64:
                     return None
             if e.block_keys is not None:
-                if (len(e.block_keys) != nh or nt or min(e.block_keys) == 0 or max(e.block_keys) > U64):
+                if (len(e.block_keys) != nh or nt or min(e.block_keys) == 0 or max(e.block_keys) > U64
+                        or e.block_digests is not None):
+                    return None
+            elif e.block_digests is not None:
+                if len(e.block_digests) != nh or nt or max(e.block_digests) > U64:
                     return None
             elif nt != nh * e.block_size:
                 return None
@@ -368,7 +379,7 @@ def _fast_batch(data: bytes) -> KvEventBatch | None:
                 type="stored", block_hashes=hashes, parent_block_hash=e.parent_block_hash,
                 token_ids=toks, block_size=e.block_size, lora_id=e.lora_id, lora_name=e.lora_name,
                 medium=e.medium, parent_key=e.parent_key, block_keys=e.block_keys,
-                block_salts=salts))
+                block_digests=e.block_digests, block_salts=salts))
         elif t is removed_t:
             if raw:
                 nh = counts[i]

@@ -66,7 +66,7 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from consumers import bus, kv_transcode, kv_wire_compiled
+from consumers import bus, kv_digests, kv_transcode, kv_wire_compiled
 from consumers.kv_wire import (  # noqa: F401 - FrameError, Normalized and decode_frame are re-exported
     FrameDecoder,
     FrameError,
@@ -232,6 +232,10 @@ class BridgeConfig:
     # binary: runs of in-order frames in vLLM's current shape go through the compiled transcoder
     # (consumers.kv_transcode; needs numba); False: every frame through the Python decoder
     transcode: bool = True
+    # binary: stores carry each block's digest (8 bytes, streams.kv_core.block_digests) in place of
+    # its token ids (4 bytes per token), a quarter of the bytes on the bus and in the stream; False
+    # (or an install without numba): token ids, e.g. for consumers older than block digests
+    digests: bool = True
 
     def __post_init__(self) -> None:
         if self.gap_policy not in GAP_POLICIES:
@@ -256,6 +260,24 @@ class BridgeStats:
     published: int = 0
     blocks: int = 0
     last_frame_at: float | None = None  # time.monotonic() of the last live frame (for /readyz)
+
+
+def encode_batch(batch: OutBatch, *, binary: bool = True, digests: bool = True) -> tuple[bytes, dict[str, str]]:
+    """The message body and headers of one batch: binary (stores with block digests in place of
+    token ids when ``digests`` and this install can compute them), or JSON when not ``binary`` or
+    when the batch does not fit the binary layout (token ids past 32 bits)."""
+    if binary:
+        try:
+            w = kv_binary.to_wire(batch)
+            if digests and kv_digests.available():
+                w.events = kv_digests.with_digests(w.events)
+            data = kv_binary.encode_wire(w)
+        except (OverflowError, ValueError, TypeError):
+            pass
+        else:
+            return data, kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq)
+    return _json_enc.encode(batch), kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq,
+                                                      kv_binary.JSON_CONTENT_TYPE)
 
 
 async def last_stored_position(js: JetStreamContext, stream: str, subject: str) -> tuple[int, int] | None:
@@ -308,7 +330,12 @@ class KvBridge:
         self._binary = cfg.encoding == "binary"
         self._decoder = FrameDecoder(compiled=self._binary)  # numpy arrays straight into the binary encoding
         # plain runs of frames in vLLM's current shape: compiled straight into binary batches
-        self._transcoder = (kv_transcode.Transcoder(cfg.pod, cfg.model, cfg.dp_rank, self._decoder.groups)
+        self._digests = self._binary and cfg.digests and kv_digests.available()
+        if self._binary and cfg.digests and not self._digests:
+            log.warning("kv-bridge %s: this install has no numba: token ids on the bus instead of block digests "
+                        "(install infernex[router] for a quarter of the bytes)", cfg.pod)
+        self._transcoder = (kv_transcode.Transcoder(cfg.pod, cfg.model, cfg.dp_rank, self._decoder.groups,
+                                                    digests=self._digests)
                             if self._binary and cfg.transcode and kv_transcode.AVAILABLE else None)
         self._group = self._binary and cfg.group_max > 1
         self._pending: list[tuple[bytes, int, int, float, int, int]] = []  # (data, epoch, seq, t0, stored, removed)
@@ -439,17 +466,7 @@ class KvBridge:
             batches=len(p)))
 
     def _encode(self, batch: OutBatch) -> tuple[bytes, dict[str, str]]:
-        """The message body and headers of one batch: binary, or JSON when so configured or when
-        the batch does not fit the binary layout (token ids past 32 bits)."""
-        if self._binary:
-            try:
-                data = kv_binary.encode(batch)
-            except (OverflowError, ValueError, TypeError):
-                pass
-            else:
-                return data, kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq)
-        return _json_enc.encode(batch), kv_binary.headers(batch.pod, batch.model, batch.epoch, batch.seq,
-                                                          kv_binary.JSON_CONTENT_TYPE)
+        return encode_batch(batch, binary=self._binary, digests=self._digests)
 
     async def _heartbeat(self) -> None:
         """While the engine sends nothing, publish an empty batch at the last position every

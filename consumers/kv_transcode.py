@@ -267,10 +267,11 @@ def _tokens(buf, pos, n, out, p):  # pragma: no cover - compiled
     return m, pos, p
 
 
-def _event(buf, pos, n, out, p, groups):  # pragma: no cover - compiled
+def _event(buf, pos, n, out, p, groups, digests):  # pragma: no cover - compiled
     """One map event at ``pos`` written as its wire struct at ``out[p]``. ``(status, next input,
     next output, stored blocks, removed blocks)``; ``groups[0]`` / ``groups[1]``: bit masks of the
-    KV-cache groups known to be full / partial (a store naming its group's kind updates them)."""
+    KV-cache groups known to be full / partial (a store naming its group's kind updates them);
+    ``digests``: a store carries its blocks' digests in place of its token ids."""
     c = np.int64(buf[pos])
     if 0x80 <= c <= 0x8F:
         nk = c - 0x80
@@ -406,10 +407,19 @@ def _event(buf, pos, n, out, p, groups):  # pragma: no cover - compiled
             nt, _, q_t = _tokens(buf, tk_at, n, out, q_h)
         if nt <= 0 or np.uint64(nt) != np.uint64(nh) * bs:
             return STOP, pos, p, 0, 0
-        out[p] = 0x9B
+        out[p] = 0x9C
         out[p + 1] = 0xA1
         out[p + 2] = 115  # "s"
         q = q_t
+        if digests:  # the ids (written at q_h) give way to an empty bin; their digests go last
+            b = np.int64(bs)
+            toks = out[q_t - 4 * nt:q_t].view(np.uint32)
+            dg = np.empty(nh, dtype=np.uint64)
+            for i in range(nh):
+                dg[i] = _block_digest(toks, i * b, b)
+            out[q_h] = 0xC4
+            out[q_h + 1] = 0
+            q = q_h + 2
         q = _w_uint(out, q, bs)
         if parent_kind == 1:
             out[q] = 0xC0
@@ -428,7 +438,18 @@ def _event(buf, pos, n, out, p, groups):  # pragma: no cover - compiled
         out[q] = 0xC0  # block_salts, parent_key, block_keys
         out[q + 1] = 0xC0
         out[q + 2] = 0xC0
-        return OK, pos, q + 3, nh, 0
+        q += 3
+        if not digests:
+            out[q] = 0xC0
+            return OK, pos, q + 1, nh, 0
+        q = _w_bin(out, q, 8 * nh)
+        for i in range(nh):
+            v = dg[i]
+            for j in range(8):
+                out[q + j] = np.uint8(v & np.uint64(0xFF))
+                v >>= np.uint64(8)
+            q += 8
+        return OK, pos, q, nh, 0
     if etype == 1:
         if nh <= 0:
             return STOP, pos, p, 0, 0
@@ -450,7 +471,7 @@ def _event(buf, pos, n, out, p, groups):  # pragma: no cover - compiled
     return STOP, pos, p, 0, 0
 
 
-def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_end, counts):  # pragma: no cover
+def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_end, counts, digests):  # pragma: no cover
     """Transcode frames ``buf[starts[i]:ends[i]]`` in order into ``out`` (frame ``i``'s batch ends at
     ``out_end[i]``; its stored / removed blocks in ``counts[i]``) until one the kernel does not take.
     Returns how many were transcoded."""
@@ -489,7 +510,7 @@ def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_e
             if pos >= n:
                 ok = False
                 break
-            st, pos, e, s_n, r_n = _event(buf, pos, n, out, e, groups)
+            st, pos, e, s_n, r_n = _event(buf, pos, n, out, e, groups, digests)
             if st != OK:
                 ok = False
                 break
@@ -533,6 +554,8 @@ def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_e
 
 
 if AVAILABLE:
+    from streams.kv_core import _digest as _block_digest  # (the index's own block digest; numba)
+
     _word = njit(inline="always", cache=True)(_word)
     _skip = njit(cache=True)(_skip)
     _str = njit(inline="always", cache=True)(_str)
@@ -553,11 +576,12 @@ class Transcoder:
     """One engine's frames -> bus batches (a pod and model fixed; KV-cache groups shared with the
     :class:`consumers.kv_wire.FrameDecoder` that decides the frames this one stops at)."""
 
-    def __init__(self, pod: str, model: str, dp_rank: int, groups: dict[int, bool]) -> None:
+    def __init__(self, pod: str, model: str, dp_rank: int, groups: dict[int, bool], *, digests: bool = True) -> None:
         empty = msgspec.msgpack.encode(kv_binary.WBatch(kv_binary.SCHEMA_VERSION, pod, model, 0, 0, 0, 0.0, []))
         self.head = np.frombuffer(empty[1:-13], dtype=np.uint8).copy()  # "kv1", version, pod, model
         self.dp_rank = dp_rank
         self.groups = groups  # the FrameDecoder's (group -> holds full prefixes)
+        self.digests = digests  # stores carry block digests (streams.kv_core) in place of token ids
         self._masks = np.zeros(2, dtype=np.uint64)
         self._out = np.empty(1 << 16, dtype=np.uint8)
 
@@ -592,8 +616,9 @@ class Transcoder:
         ends = np.cumsum(lens)
         starts = ends - lens
         buf = np.frombuffer(b"".join((*payloads, bytes(PAD))), dtype=np.uint8)
-        # the output's bound: a hash can grow from 1 byte (a fixint) to 8, a token id from 1 to 4;
-        # each batch adds its header (pod and model included) and its scratch room
+        # the output's bound: a hash can grow from 1 byte (a fixint) to 8, a token id from 1 to 4
+        # (to 8 as the digest of a one-token block); each batch adds its header (pod and model
+        # included) and its scratch room
         need = 8 * int(ends[-1]) + (len(self.head) + 128) * len(payloads) + 64
         if need > len(self._out):
             self._out = np.empty(need, dtype=np.uint8)
@@ -602,7 +627,7 @@ class Transcoder:
         out_end = np.zeros(k, dtype=np.int64)
         counts = np.zeros((k, 2), dtype=np.int64)
         done = transcode_frames(buf, starts, ends, seqs, self.head, self.dp_rank, epoch, self._masks, self._out,
-                                out_end, counts)
+                                out_end, counts, self.digests)
         if self._masks[0]:
             self._sync_out()
         out, ends_out, n = self._out, out_end[:done].tolist(), counts[:done].tolist()

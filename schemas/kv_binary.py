@@ -12,7 +12,7 @@ little-endian unsigned integers, so a consumer maps them straight into arrays)::
     batch   = ["kv1", schema_version, pod, model, dp_rank, epoch, seq, ts, [event, ...]]
     stored  = ["s", block_hashes: u64le, token_ids: u32le, block_size, parent_block_hash|nil,
                lora_id|nil, lora_name|nil, medium|nil, block_salts: u64le|nil,
-               parent_key|nil, block_keys: u64le|nil]
+               parent_key|nil, block_keys: u64le|nil, block_digests: u64le|nil]
     removed = ["r", block_hashes: u64le, medium|nil]
     cleared = ["c", medium|nil]
     reset   = ["x", reason]
@@ -25,8 +25,11 @@ A bridge that has several batches of one pod ready at once sends them as one mes
     group   = ["kvg", [batch, batch, ...]]
 
 The rules are the JSON schema's (:mod:`schemas.kv`): at least one block hash, ``token_ids``
-holding ``len(block_hashes) * block_size`` ids (or none when ``block_keys`` is given), one
-salt / key per block. Token ids must fit 32 bits here: a batch with larger ones is sent as
+holding ``len(block_hashes) * block_size`` ids (or none when ``block_keys`` or
+``block_digests`` is given), one salt / key / digest per block. The bridge sends each block's
+digest (:func:`streams.kv_core.block_digests`) in place of its token ids by default: 8 bytes per
+block instead of 4 per token, and the index chains digests into the keys tokens would give. A
+message without the last field is read as before. Token ids must fit 32 bits here: a batch with larger ones is sent as
 JSON. The message also carries the batch's identity in headers (:data:`HDR_POD`,
 :data:`HDR_MODEL`, :data:`HDR_EPOCH`, :data:`HDR_SEQ`), so tools can filter or find a position
 without decoding; the payload stays complete on its own (a replayed or dead-lettered message
@@ -82,6 +85,7 @@ class WStored(msgspec.Struct, tag="s", array_like=True, gc=False):
     block_salts: Union[memoryview, None] = None
     parent_key: Union[_U64, None] = None
     block_keys: Union[memoryview, None] = None
+    block_digests: Union[memoryview, None] = None
 
 
 class WRemoved(msgspec.Struct, tag="r", array_like=True, gc=False):
@@ -182,10 +186,12 @@ def to_wire(batch: Any) -> WBatch:
         if t == "stored":
             salts = getattr(e, "block_salts", None)
             keys = getattr(e, "block_keys", None)
+            digests = getattr(e, "block_digests", None)
             events.append(WStored(
                 pack(e.block_hashes, "Q"), pack(e.token_ids, "I"), e.block_size, e.parent_block_hash,
                 e.lora_id, e.lora_name, e.medium, None if salts is None else pack(salts, "Q"),
-                getattr(e, "parent_key", None), None if keys is None else pack(keys, "Q")))
+                getattr(e, "parent_key", None), None if keys is None else pack(keys, "Q"),
+                None if digests is None else pack(digests, "Q")))
         elif t == "removed":
             events.append(WRemoved(pack(e.block_hashes, "Q"), e.medium))
         elif t == "cleared":
@@ -203,6 +209,11 @@ def to_wire(batch: Any) -> WBatch:
 def encode(batch: Any) -> bytes:
     """The batch in this encoding (see :func:`to_wire` for what cannot be)."""
     return _encoder.encode(to_wire(batch))
+
+
+def encode_wire(w: WBatch) -> bytes:
+    """A wire struct (:func:`to_wire`'s, possibly changed since) in this encoding."""
+    return _encoder.encode(w)
 
 
 def group(encoded: list[bytes]) -> bytes:
@@ -274,6 +285,8 @@ def to_dict(w: WBatch) -> dict[str, Any]:
                 d["parent_key"] = e.parent_key
             if e.block_keys is not None:
                 d["block_keys"] = unpack(e.block_keys, "Q")
+            if e.block_digests is not None:
+                d["block_digests"] = unpack(e.block_digests, "Q")
         elif t is WRemoved:
             d = {"type": "removed", "block_hashes": unpack(e.block_hashes, "Q"), "medium": e.medium}
         elif t is WCleared:
@@ -322,7 +335,7 @@ _STR_OPT = {"type": ["string", "null"]}
 PAYLOAD_SCHEMA: dict[str, Any] = {
     "title": "KvEventBatchBinary",
     "description": "A KvEventBatch in the binary encoding (schemas/kv_binary.py): msgpack arrays, block "
-                   "hashes / token ids / salts / keys as packed little-endian uint64 / uint32 in msgpack bin.",
+                   "hashes / token ids / salts / keys / digests as packed little-endian uint64 / uint32 in msgpack bin.",
     "type": "array",
     "items": [
         {"const": BATCH_TAG}, {"type": "integer", "minimum": 1, "maximum": SCHEMA_VERSION, "title": "schema_version"},
@@ -334,10 +347,12 @@ PAYLOAD_SCHEMA: dict[str, Any] = {
         {"type": "array", "title": "events", "items": {"oneOf": [
             {"title": "stored", "type": "array", "items": [
                 {"const": "s"}, _bin("block_hashes, uint64 LE, at least one"),
-                _bin("token_ids, uint32 LE, len(block_hashes) * block_size of them (none with block_keys)"),
+                _bin("token_ids, uint32 LE, len(block_hashes) * block_size of them (none with block_keys "
+                     "or block_digests)"),
                 {"type": "integer", "minimum": 1, "title": "block_size"}, _OPT, {"type": ["integer", "null"]},
                 _STR_OPT, _STR_OPT, _bin("block_salts, uint64 LE, one per block, or nil"), _OPT,
-                _bin("block_keys, uint64 LE, one per block, or nil")]},
+                _bin("block_keys, uint64 LE, one per block, or nil"),
+                _bin("block_digests, uint64 LE, one per block (in place of token_ids), or nil; may be absent")]},
             {"title": "removed", "type": "array", "items": [{"const": "r"}, _bin("block_hashes, uint64 LE"),
                                                               _STR_OPT]},
             {"title": "cleared", "type": "array", "items": [{"const": "c"}, _STR_OPT]},

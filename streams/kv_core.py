@@ -6,10 +6,13 @@ which in Python dicts cost ~2.6 us per stored-then-removed block, mostly cache m
 boxed ints. Here a block is a few probes into flat rows of ``uint64``.
 
 Our block key
-    ``key[i] = chain(seed=key[i-1], tokens of block i)``: each pair of uint32 token ids is one
-    64-bit word folded in by multiply-xor-rotate, finished by murmur3's 64-bit mixer. Keys are
-    never 0 (0 marks an empty row). The same function serves ingest and queries, so the router
-    and the indexer always agree; it does not depend on how an engine hashes.
+    ``key[i] = combine(key[i-1], digest(tokens of block i))``. The digest folds each pair of
+    uint32 token ids in as one 64-bit word by multiply-xor-rotate and finishes with murmur3's
+    64-bit mixer; it depends on the block's tokens only, so a KV bridge can send a block's
+    digest (8 bytes) in place of its token ids (4 per token) and the index chains it here.
+    ``combine`` is a bijection in each argument. Keys are never 0 (0 marks an empty row). The
+    same function serves ingest and queries, so the router and the indexer always agree; it
+    does not depend on how an engine hashes.
 
 Tables (rows of ``uint64``; capacity a power of two, linear probing, backward-shift deletes)
     ``kt``  key table, one row per distinct key of the model: ``[key, mask words...]`` with
@@ -44,6 +47,7 @@ TIER_BITS = 3  # holder = slot << 3 | tier (a model has at most 5 tiers)
 # operation kinds and parent kinds
 OP_STORE, OP_REMOVE = 0, 1
 PARENT_ROOT, PARENT_HASH, PARENT_KEY, KEYS_GIVEN = 0, 1, 2, 3
+DIGESTS = 8  # or-ed into a parent kind: the operation's "tokens" are one digest per block (2 words)
 
 # stats slots
 S_STORED, S_REMOVED, S_UNKNOWN_PARENT, S_UNKNOWN_PARENT_BLOCKS, S_UNKNOWN_REMOVED, S_DUPLICATES, \
@@ -73,8 +77,9 @@ def _fmix(h):
 
 
 @njit(inline="always", cache=True)
-def _hash_block(tokens, start, bs, seed):
-    h = seed ^ (U64(bs) * _M1)
+def _digest(tokens, start, bs):
+    """A block's digest: its ``bs`` token ids from ``tokens[start]`` (no chaining)."""
+    h = U64(bs) * _M1
     j = 0
     while j + 1 < bs:
         w = U64(tokens[start + j]) | (U64(tokens[start + j + 1]) << U64(32))
@@ -84,10 +89,23 @@ def _hash_block(tokens, start, bs, seed):
     if j < bs:
         h ^= U64(tokens[start + j]) * _M2
         h = ((h << U64(29)) | (h >> U64(35))) * _M1
-    h = _fmix(h ^ U64(bs))
+    return _fmix(h ^ U64(bs))
+
+
+@njit(inline="always", cache=True)
+def _combine(seed, d):
+    """The key of a block of digest ``d`` after a block keyed ``seed`` (never 0)."""
+    h = seed ^ _M3
+    h ^= d * _M2
+    h = _fmix(((h << U64(31)) | (h >> U64(33))) * _M1)
     if h == U64(0):
         h = U64(1)
     return h
+
+
+@njit(inline="always", cache=True)
+def _hash_block(tokens, start, bs, seed):
+    return _combine(seed, _digest(tokens, start, bs))
 
 
 @njit(cache=True)
@@ -97,6 +115,27 @@ def chain_keys(tokens, bs, n, seed):
     s = U64(seed)
     for i in range(n):
         s = _hash_block(tokens, i * bs, bs, s)
+        out[i] = s
+    return out
+
+
+@njit(cache=True)
+def block_digests(tokens, bs, n):
+    """The digest of each of the first ``n`` full blocks of ``tokens`` (uint32)."""
+    out = np.empty(n, dtype=np.uint64)
+    for i in range(n):
+        out[i] = _digest(tokens, i * bs, bs)
+    return out
+
+
+@njit(cache=True)
+def chain_digests(digests, seed):
+    """Keys of blocks given by their digests, chained from ``seed`` (= :func:`chain_keys`)."""
+    n = digests.shape[0]
+    out = np.empty(n, dtype=np.uint64)
+    s = U64(seed)
+    for i in range(n):
+        s = _combine(s, digests[i])
         out[i] = s
     return out
 
@@ -427,6 +466,8 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
         if need:
             return o, need
         pk = meta[o, 2]
+        dg = pk & DIGESTS
+        pk &= ~DIGESTS
         seed = parents[o]
         if pk == PARENT_HASH:
             # the parent is almost always in the same tier; else any tier of the pod
@@ -450,6 +491,9 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
         for i in range(n):
             if pk == KEYS_GIVEN:
                 k = tokens_key(tokens, t0, i)
+            elif dg:
+                k = _combine(seed, tokens_key(tokens, t0, i))
+                seed = k
             else:
                 k = _hash_block(tokens, t0 + i * bs, bs, seed)
                 seed = k
@@ -485,7 +529,7 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
 
 @njit(inline="always", cache=True)
 def tokens_key(tokens, t0, i):
-    """A key handed over in the token array (two uint32 words, little end first)."""
+    """A key or digest handed over in the token array (two uint32 words, little end first)."""
     return U64(tokens[t0 + 2 * i]) | (U64(tokens[t0 + 2 * i + 1]) << U64(32))
 
 

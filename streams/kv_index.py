@@ -350,6 +350,7 @@ def _extend_hashes(buf: array, hashes) -> None:
 
 _HAS_KEYS = "block_keys" in BlockStored.model_fields
 _HAS_SALTS = "block_salts" in BlockStored.model_fields
+_HAS_DIGESTS = "block_digests" in BlockStored.model_fields
 
 
 _NO_U64 = np.zeros(0, dtype=np.uint64)
@@ -746,9 +747,29 @@ class KvIndex:
                     # vLLM hashes the adapter's name (ids are per engine); the id only when no name
                     parent = lora_seed(lora_name if lora_name is not None else lora_id)
             salts = ev.block_salts if _HAS_SALTS else getattr(ev, "block_salts", None)
-            toks = ev.token_ids
+            digests = ev.block_digests if _HAS_DIGESTS else getattr(ev, "block_digests", None)
+            if digests is not None:  # a bridge's digests: two words per block in place of its tokens
+                kind |= core.DIGESTS
+                words = 2
+                toks = digests
+                try:
+                    if type(toks) is memoryview and toks.format == "Q":
+                        tk.frombytes(toks.cast("B"))
+                    else:
+                        tk.frombytes(memoryview(toks if isinstance(toks, array) and toks.typecode == "Q"
+                                                else array("Q", toks)).cast("B"))
+                except (OverflowError, TypeError, ValueError) as exc:
+                    del hs[h0:]
+                    del tk[t0:]
+                    raise ValueError(f"block digests must be integers in [0, 2**64): {exc}") from None
+                toks = None
+            else:
+                words = bs
+                toks = ev.token_ids
             try:
-                if type(toks) is memoryview and toks.format == "I":  # a binary message's checked view
+                if toks is None:
+                    pass
+                elif type(toks) is memoryview and toks.format == "I":  # a binary message's checked view
                     tk.frombytes(toks.cast("B"))
                 elif type(toks) is np.ndarray:
                     if toks.dtype == np.uint32:  # a decoder's parsed array
@@ -761,7 +782,7 @@ class KvIndex:
                 del hs[h0:]
                 del tk[t0:]
                 raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-            if len(tk) - t0 != n * bs or (salts is not None and len(salts) != n):
+            if len(tk) - t0 != n * words or (salts is not None and len(salts) != n):
                 del hs[h0:]
                 del tk[t0:]
                 st.rejected += 1
@@ -778,13 +799,13 @@ class KvIndex:
             for j, a in enumerate(starts):
                 b = starts[j + 1] if j + 1 < len(starts) else n
                 if a:
-                    kind, parent = core.PARENT_HASH, hs[h0 + a - 1]
+                    kind, parent = core.PARENT_HASH | (kind & core.DIGESTS), hs[h0 + a - 1]
                 try:
                     ops.parents.append(parent)
                     ops.salts.append(salts[a])
                 except OverflowError:
                     raise ValueError("parent hash, key or salt must be an integer in [0, 2**64)") from None
-                ops.meta.extend((core.OP_STORE, holder, kind, bs, h0 + b, t0 + b * bs))
+                ops.meta.extend((core.OP_STORE, holder, kind, bs, h0 + b, t0 + b * words))
             return
         try:
             ops.parents.append(parent)

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from consumers.index_codec import SNAPSHOT_FORMAT
 from consumers.indexer import (QueryError, decode_snapshot, encode_snapshot, record_route, run_query,
                                run_query_json)
 from schemas.kv import BlockStored, KvEventBatch
@@ -106,7 +107,7 @@ def test_snapshot_of_several_tiers_pods_and_block_sizes_round_trips():
         BlockStored(block_hashes=[21], token_ids=[(1 << 32) - 1, 0], block_size=2)]))
     data = encode_snapshot(idx, 9, 1.5)
     doc = msgpack.unpackb(data, strict_map_key=False)
-    assert doc["format"] == 4 and "tokens" not in doc
+    assert doc["format"] == SNAPSHOT_FORMAT == 5 and "tokens" not in doc
     stored = [r for b in doc["batches"] for r in b[5]]
     assert all(r[0] == "k" and len(r[1]) == len(r[2]) and len(r[1]) % 8 == 0 for r in stored)
     assert sum(len(r[1]) // 8 for r in stored) == 3 + 1 + 2 + 1  # every held block once

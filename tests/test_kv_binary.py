@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from consumers import bus
 from consumers.index_codec import decode_batch, to_json, wire_batch
-from consumers.kv_bridge import BridgeConfig, KvBridge
+from consumers.kv_bridge import BridgeConfig, KvBridge, encode_batch
 from consumers.kv_wire import FrameDecoder, OutBatch
 from fixtures import vllm as fx
 from schemas import ValidationFailure, kv_binary
@@ -97,7 +97,7 @@ def test_vllm_frames_through_the_bridge_encoder_fold_like_json(version):
     the decoded batches and the index they build are the same."""
     dec, compiled = FrameDecoder(), FrameDecoder(compiled=True)
     assert compiled.compiled  # numba is part of the test install
-    via_json, via_bin, via_wire = KvIndex(ManualClock()), KvIndex(ManualClock()), KvIndex(ManualClock())
+    via_json, via_bin, via_wire, via_digests = (KvIndex(ManualClock()) for _ in range(4))
     n = 0
     for seq, f in enumerate(fx.frames(version)):
         norm = dec.decode(f.payload)
@@ -111,16 +111,17 @@ def test_vllm_frames_through_the_bridge_encoder_fold_like_json(version):
         via_json.apply(bj)
         via_bin.apply(bb)
         via_wire.apply(wire_batch(b))  # what the indexer folds: the checked wire struct
+        via_digests.apply(wire_batch(encode_batch(out)[0]))  # what the bridge sends: block digests
         n += len(norm.events)
-    assert n > 0 and via_json == via_bin == via_wire
+    assert n > 0 and via_json == via_bin == via_wire == via_digests
 
 
 def test_the_fold_takes_wire_structs_as_it_takes_the_schemas_batches():
     """Random batches of every event kind (parents, salts, keys, tiers, resets, clears, a pod gone),
-    folded once as decoded schema batches and once as the indexer's checked wire structs: the
-    same index and the same counts."""
+    folded as decoded schema batches and as the indexer's checked wire structs, each with token
+    ids and with the bridge's block digests in their place: the same index and the same counts."""
     rng = random.Random(11)
-    a, b = KvIndex(ManualClock()), KvIndex(ManualClock())
+    a, b, c, d = (KvIndex(ManualClock()) for _ in range(4))
     held: dict[str, list[int]] = {}
     for seq in range(400):
         pod = f"p{rng.randrange(3)}"
@@ -152,9 +153,12 @@ def test_the_fold_takes_wire_structs_as_it_takes_the_schemas_batches():
                 events.append(PodGone())
         batch = KvEventBatch(pod=pod, model="m", seq=seq, ts=float(seq), events=events)
         data = kv_binary.encode(batch)
+        digested, _ = encode_batch(batch)  # the bridge's form: block digests in place of token ids
+        assert (len(digested) < len(data)) == any(type(e) is BlockStored and e.token_ids for e in events)
         sa, sb = a.apply(decode_batch(data)), b.apply(wire_batch(data))
-        assert sa == sb, (seq, sa, sb)
-    assert a == b and len(a) > 0
+        sc, sd = c.apply(wire_batch(digested)), d.apply(decode_batch(digested))
+        assert sa == sb == sc == sd, (seq, sa, sb, sc, sd)
+    assert a == b == c == d and len(a) > 0
 
 
 def test_token_ids_past_32_bits_cannot_be_binary():

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumers import kv_transcode as kt
+from consumers.kv_bridge import encode_batch
 from consumers.kv_wire import FrameDecoder, OutBatch
 from fixtures import vllm as fx
 from schemas import kv_binary
@@ -25,26 +26,26 @@ pytestmark = pytest.mark.skipif(not kt.AVAILABLE, reason="numba is not installed
 POD, MODEL, DP = "pod-7", "Qwen/Qwen3-8B", 3
 
 
-def python_path(payload: bytes, seq: int, epoch: int, groups: dict[int, bool] | None = None):
+def python_path(payload: bytes, seq: int, epoch: int, groups: dict[int, bool] | None = None, digests: bool = True):
     """What the bridge publishes for the frame without the transcoder: (bytes, stored, removed, skipped)."""
     dec = FrameDecoder()
     if groups is not None:
         dec.groups = groups
     norm = dec.decode(payload)
-    try:
-        data = kv_binary.encode(OutBatch(POD, MODEL, DP if norm.dp_rank is None else norm.dp_rank, epoch, seq,
-                                         norm.ts, norm.events))
-    except OverflowError:  # token ids past 32 bits: the bridge sends this batch as JSON
+    data, hdrs = encode_batch(OutBatch(POD, MODEL, DP if norm.dp_rank is None else norm.dp_rank, epoch, seq,
+                                       norm.ts, norm.events), digests=digests)
+    if hdrs[kv_binary.HDR_CONTENT_TYPE] != kv_binary.CONTENT_TYPE:  # token ids past 32 bits: sent as JSON
         data = None
     return data, norm.blocks_stored, norm.blocks_removed, norm.skipped
 
 
-def test_every_vllm_fixture_is_transcoded_exactly_or_left_to_the_python_path():
+@pytest.mark.parametrize("digests", [True, False], ids=["digests", "token-ids"])
+def test_every_vllm_fixture_is_transcoded_exactly_or_left_to_the_python_path(digests):
     taken = 0
     for f in fx.all_frames():
-        got = kt.Transcoder(POD, MODEL, DP, {}).transcode([f.payload], 41, 2)
+        got = kt.Transcoder(POD, MODEL, DP, {}, digests=digests).transcode([f.payload], 41, 2)
         try:
-            want = python_path(f.payload, 41, 2, {})
+            want = python_path(f.payload, 41, 2, {}, digests)
         except ValueError:  # a frame the Python path refuses: the transcoder must not take it
             assert got == [], f.name
             continue
@@ -103,14 +104,14 @@ def map_event(draw):
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(map_event(), max_size=4), st.sampled_from([0, 2, None, -1]), st.integers(0, 1000),
-       st.dictionaries(st.sampled_from([0, 1, 2]), st.booleans(), max_size=2))
-def test_generated_frames_are_transcoded_exactly_or_left_to_the_python_path(events, dp, seed, groups):
+       st.dictionaries(st.sampled_from([0, 1, 2]), st.booleans(), max_size=2), st.booleans())
+def test_generated_frames_are_transcoded_exactly_or_left_to_the_python_path(events, dp, seed, groups, digests):
     rng = random.Random(seed)
     payload = _frame(rng, events, dp)
-    t = kt.Transcoder(POD, MODEL, DP, dict(groups))
+    t = kt.Transcoder(POD, MODEL, DP, dict(groups), digests=digests)
     got = t.transcode([payload], 5, 1)
     try:
-        want = python_path(payload, 5, 1, dict(groups))
+        want = python_path(payload, 5, 1, dict(groups), digests)
     except ValueError:
         assert got == []
         return
@@ -164,7 +165,8 @@ def test_engine_shaped_frames_transcode_in_one_run():
 
 def test_the_bridge_without_numba_publishes_the_same_bytes(tmp_path):
     """The engine-side sidecar's base install has no numba: the bridge then decodes in Python and
-    publishes the same batches (checked in a process where numba cannot be imported)."""
+    publishes the same batches with token ids (no block digests: those need the index's compiled
+    core), checked in a process where numba cannot be imported."""
     import subprocess
     import sys
     from pathlib import Path
@@ -205,7 +207,7 @@ asyncio.run(main())
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "frames.bin")], cwd=root, capture_output=True,
                          check=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}).stdout
     got = msgspec.msgpack.decode(out)
-    with_numba = kt.Transcoder(POD, MODEL, DP, {}).transcode(frames, 0, 0)
+    with_numba = kt.Transcoder(POD, MODEL, DP, {}, digests=False).transcode(frames, 0, 0)
     assert len(got) == len(with_numba) == 5
     assert got == [data for data, _, _ in with_numba]
 
@@ -218,9 +220,10 @@ def test_tiny_values_and_short_frames_stay_inside_the_buffers():
     frames = [_frame(rng, [{"type": "BlockStored", "block_hashes": [rng.randrange(128) for _ in range(1000)],
                             "parent_block_hash": 1, "token_ids": [rng.randrange(128) for _ in range(1000)],
                             "block_size": 1, "lora_id": None, "medium": None, "lora_name": None}])
-              for _ in range(20)]  # 12 bytes out for every 2 in
-    got = kt.Transcoder(POD, MODEL, DP, {}).transcode(frames, 0, 0)
-    assert [g for g in got] == [python_path(f, i, 0)[:3] for i, f in enumerate(frames)]
+              for _ in range(20)]  # 12 bytes out for every 2 in (16 with digests)
+    for digests in (True, False):  # (one-token blocks: a digest is twice the bytes of the id)
+        got = kt.Transcoder(POD, MODEL, DP, {}, digests=digests).transcode(frames, 0, 0)
+        assert [g for g in got] == [python_path(f, i, 0, digests=digests)[:3] for i, f in enumerate(frames)]
     whole = frames[0]
     for cut in range(0, len(whole), 7):
         assert kt.Transcoder(POD, MODEL, DP, {}).transcode([whole[:cut]], 0, 0) == []

@@ -74,6 +74,9 @@ def bridge_vllm_kv(
     group_wait: float = typer.Option(0.002, "--group-wait", min=0, max=1,
                                      help="binary: while frames arrive faster than one per this many seconds, "
                                           "wait up to this long for a fuller group (0 = never wait)"),
+    token_ids: bool = typer.Option(False, "--token-ids",
+                                   help="binary: send vLLM's token ids instead of each block's digest (4 bytes "
+                                        "per token instead of 8 per block; for consumers older than digests)"),
 ) -> None:
     """Subscribe to a vLLM KV-event stream and publish its batches to JetStream (a message per batch,
     or per group of batches that were ready at once)."""
@@ -91,7 +94,7 @@ def bridge_vllm_kv(
     health = Health(f"kv-bridge {pod}")
     cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
                        dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding,
-                       group_max=group_max, group_wait_s=group_wait)
+                       group_max=group_max, group_wait_s=group_wait, digests=not token_ids)
 
     async def go():
         await _serve_health(metrics_port, registry, health, metrics_host)
