@@ -361,7 +361,7 @@ def test_load_epoch_reuses_load_only_columns_until_it_changes():
     assert queue_col(bs, None) == queue_col(bs, 8)  # no epoch: always computed
     # columns that depend on the request or the router's own counters are never cached
     bs[1].active_tokens = 1000
-    d = r.decide(RoutingRequest(model="m", prompt_tokens=16), bs, load_epoch=8)
+    d = Router("kv-aware-active", seed=1).decide(RoutingRequest(model="m", prompt_tokens=16), bs, load_epoch=8)
     assert dict(zip(d.stages[0].pods, d.stages[0].columns["active"]))["b"] == 0.0
     r2 = Router("kv-aware-prefill", seed=1)
     bs[1].pending_prefill_tokens = 1000
