@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -38,6 +39,24 @@ from simulator.kv_publisher import KvEventPublisher
 from simulator.tokenizer import load_tokenizer, request_to_ids
 
 log = logging.getLogger(__name__)
+
+
+class _OneLineBadRequests(logging.Filter):
+    """vLLM's server (uvicorn) answers a request that is not HTTP/1.1 (an HTTP/2 preface, a broken
+    request line) with a 400 and one warning line; aiohttp logs each with a traceback. This turns
+    those records into uvicorn's one line; every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.msg, record.args = "Invalid HTTP request received (%s).", (exc.message,)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+http_log = logging.getLogger("simulator.http")  # the engines' HTTP server (aiohttp's records, one line for bad requests)
+http_log.addFilter(_OneLineBadRequests())
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -229,7 +248,7 @@ class SimEngine:
         if kv_endpoint is not None and self.config.emit_kv_events:
             self.publisher = KvEventPublisher(kv_endpoint, replay_endpoint, topic=topic, array_like=array_like,
                                               fmt=None if array_like else self.config.kv_events_format)
-        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False, logger=http_log)
         await self._runner.setup()
         await self._listen()
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))

@@ -297,3 +297,25 @@ def test_a_client_hanging_up_mid_stream_aborts_its_request_quietly(url, caplog):
     time.sleep(0.2)
     # ... without an error logged for the write that found the connection gone
     assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+
+
+def test_a_request_that_is_not_http1_gets_a_400_and_one_log_line(url, caplog):
+    """sglang-router probes engines with HTTP/2 (h2c): vLLM's server answers 400 and logs one
+    warning line; so does the simulated engine, where aiohttp alone logged a traceback."""
+    import logging
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    with caplog.at_level(logging.WARNING, logger="simulator.http"):
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            reply = s.recv(4096)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not [r for r in caplog.records if r.name == "simulator.http"]:
+            time.sleep(0.02)
+    assert reply.split(b" ", 2)[1] == b"400"
+    recs = [r for r in caplog.records if r.name == "simulator.http"]
+    assert recs and all(r.exc_info is None and r.levelno == logging.WARNING for r in recs)
+    assert "Invalid HTTP request received" in recs[0].getMessage()
+    assert httpx.get(url + "/v1/models", timeout=30).status_code == 200  # and the server goes on
