@@ -273,6 +273,11 @@ _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 _NON_WORD = re.compile(r"[^\w\s]")  # a piece without any of these splits at whitespace exactly as _WORD_RE does
 _CHUNK = 256  # characters per memoized piece (cut at the next whitespace)
+# the compiled path: long text is cut at the next whitespace after every _PIECE characters and each
+# piece's ids are memoized (a prompt sharing a prefix with an earlier one, as every turn of a
+# conversation does, runs the kernel over the rest only), up to _PIECE_MEMO_CHARS of text
+_PIECE = 4096
+_PIECE_MEMO_CHARS = 16 << 20
 
 
 @functools.cache
@@ -304,9 +309,9 @@ class SimpleTokenizer:
     No special tokens: ``add_special_tokens`` changes nothing. A token never spans whitespace,
     so the text is cut at whitespace into ~256-character pieces tokenized on their own and
     memoized (least recently used evicted first); a prompt sharing a prefix with an earlier one re-tokenizes only the rest.
-    With numba installed (the router's extra), ASCII text longer than a piece is tokenized in one
-    compiled pass instead (:mod:`simulator.tokenizer_kernel`, the same ids, about 3.5x less CPU on
-    the trace's prompts: bench/tokenizer_trace.py).
+    With numba installed (the router's extra), ASCII text longer than a piece is tokenized by a
+    compiled kernel instead (:mod:`simulator.tokenizer_kernel`, the same ids, about 3.5x less CPU on
+    the trace's prompts: bench/tokenizer_trace.py), in memoized 4k-character pieces when it is long.
     """
 
     RESERVED = 16  # ids below this are never produced from text
@@ -319,6 +324,9 @@ class SimpleTokenizer:
         self._memo: dict[str, list[int]] = {}
         self._memo_max = memo_pieces
         self._words: dict[str, int] = {}
+        self._pieces: dict[str, np.ndarray] = {}  # the compiled path's memo (uint32 ids per piece)
+        self._pieces_chars = 0
+        self._pieces_max = _PIECE_MEMO_CHARS
 
     @staticmethod
     def _syllables(n: int) -> str:
@@ -393,15 +401,43 @@ class SimpleTokenizer:
             start = cut
         return out
 
-    def _encode_compiled(self, text: str, dtype: type = np.int64) -> np.ndarray | None:
-        """ASCII text in one compiled pass (no memo needed), or None without numba."""
-        kernel = _ascii_kernel()
-        if kernel is None:
-            return None
+    def _kernel_pass(self, kernel: Any, text: str, dtype: type) -> np.ndarray:
         out = np.empty(len(text), dtype=dtype)
         k = kernel.encode_ascii(np.frombuffer(text.encode("ascii"), dtype=np.uint8), _syllable_table(),
                                 len(_SYLLABLES), self.RESERVED, self.vocab_size, out)
         return out[:k]
+
+    def _encode_compiled(self, text: str, dtype: type = np.int64) -> np.ndarray | None:
+        """ASCII text through the compiled kernel, or None without numba. Text longer than two
+        pieces goes piece by piece (cut at whitespace, which no token spans), each piece's ids
+        memoized, so a shared prefix is not tokenized again."""
+        kernel = _ascii_kernel()
+        if kernel is None:
+            return None
+        n = len(text)
+        if n < 2 * _PIECE:
+            return self._kernel_pass(kernel, text, dtype)
+        memo = self._pieces
+        parts = []
+        start = 0
+        find = text.find
+        while start < n:
+            cut = find(" ", start + _PIECE)
+            if cut < 0:
+                cut = n
+            piece = text[start:cut]
+            ids = memo.pop(piece, None)
+            if ids is None:
+                ids = self._kernel_pass(kernel, piece, np.uint32)
+                self._pieces_chars += len(piece)
+                while self._pieces_chars > self._pieces_max and memo:  # the least recently used first
+                    self._pieces_chars -= len(old := next(iter(memo)))
+                    del memo[old]
+            memo[piece] = ids  # most recently used last
+            parts.append(ids)
+            start = cut
+        out = np.concatenate(parts)
+        return out if dtype is np.uint32 else out.astype(dtype)
 
     def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
         """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the

@@ -106,3 +106,38 @@ def test_compiled_xxh64_is_xxhash(data):
         pytest.skip("numba is not installed (the router extra)")
     arr = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(0, dtype=np.uint8)
     assert int(T._ascii_kernel().xxh64(arr, 0, len(data))) == xxhash.xxh64_intdigest(data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_ASCII, _ASCII, st.integers(1, 3))
+def test_long_text_is_tokenized_in_memoized_pieces_with_the_same_ids(a, b, reps):
+    """Text longer than two pieces goes piece by piece, each piece's ids memoized: a prompt that
+    extends an earlier one (the next turn of a conversation) gives exactly the one-pass ids, from
+    the memo for the shared part, and the memo stays within its character budget."""
+    import re
+
+    import pytest
+
+    from simulator import tokenizer as T
+
+    if T._ascii_kernel() is None:
+        pytest.skip("numba is not installed (the router extra)")
+    first = (a * (1 + 3 * T._PIECE // max(1, len(a))))[: 3 * T._PIECE + reps * 700]
+    turn2 = first + " " + b * reps
+    ref = SimpleTokenizer(151_000)
+    tok = SimpleTokenizer(151_000)
+    tok._pieces_max = 6 * T._PIECE  # small: evictions happen within the example
+    for text in (first, turn2, first, turn2 + first):
+        plain = [ref.token_for_word(w) for w in re.findall(r"\w+|[^\w\s]", text)]
+        assert tok.encode_array(text).tolist() == plain
+        assert tok.encode(text) == plain
+        assert tok._pieces_chars == sum(map(len, tok._pieces)) <= tok._pieces_max + T._PIECE * 2
+    # the next turn runs the kernel over what the first did not hold only: its last piece and the rest
+    fresh = SimpleTokenizer(151_000)
+    fresh.encode_array(first)
+    last = list(fresh._pieces)[-1]
+    passes: list[int] = []
+    kernel_pass = fresh._kernel_pass
+    fresh._kernel_pass = lambda k, text, dtype: passes.append(len(text)) or kernel_pass(k, text, dtype)
+    fresh.encode_array(turn2)
+    assert sum(passes) <= len(turn2) - (len(first) - len(last))
