@@ -457,3 +457,12 @@ def test_packaged_chart_carries_the_dashboards(tmp_path):
 
     docs = load_manifests(helm("template", "infernex", str(archive), "-n", "istio-system").stdout)
     assert len([c for c in by_kind(docs, "ConfigMap") if "grafana_dashboard" in c["metadata"].get("labels", {})]) == 5
+
+
+def test_kv_bridges_send_digests_unless_told_to_send_token_ids():
+    """By default the bridges send block digests; ``kvEvents.tokenIds`` makes every rank's bridge
+    keep vLLM's token ids (for a rollout where older consumers still run)."""
+    for sets, want in ((DP2, False), (DP2 + ["inference-backend.services[0].kvEvents.tokenIds=true"], True)):
+        dep = one(render(None, sets=sets), "Deployment", "m")
+        bridges = [c for c in pod_spec(dep)["containers"] if c["name"].startswith("kv-bridge")]
+        assert len(bridges) == 2 and all(("--token-ids" in b["args"]) is want for b in bridges)
