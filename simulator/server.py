@@ -49,7 +49,8 @@ class _OneLineBadRequests(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, BadHttpMessage):
-            record.msg, record.args = "Invalid HTTP request received (%s).", (exc.message,)
+            # (the class only: the message quotes the request's bytes, which may carry a credential)
+            record.msg, record.args = "Invalid HTTP request received (%s).", (type(exc).__name__,)
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

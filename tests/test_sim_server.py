@@ -318,4 +318,5 @@ def test_a_request_that_is_not_http1_gets_a_400_and_one_log_line(url, caplog):
     recs = [r for r in caplog.records if r.name == "simulator.http"]
     assert recs and all(r.exc_info is None and r.levelno == logging.WARNING for r in recs)
     assert "Invalid HTTP request received" in recs[0].getMessage()
+    assert all("PRI" not in r.getMessage() and "\n" not in r.getMessage() for r in recs)  # one line, no request bytes
     assert httpx.get(url + "/v1/models", timeout=30).status_code == 200  # and the server goes on
