@@ -15,7 +15,7 @@ binary from the wheel, in a cache venv made by bench/vllm_router_kv.py; ``kv_awa
 every engine's ZMQ KV events and replay socket itself). Before each run the engines'
 prefix caches are emptied; runs are interleaved, ``--rounds`` times. Reported per run: prefix
 hit rate as the engines count it, request spread (max/mean finished requests per engine), TTFT
-p50/p90 and E2E p50 (client side, wall seconds).
+p50/p90, E2E p50 and the decode phase's p50 (E2E - TTFT per request; client side, wall seconds).
 """
 
 from __future__ import annotations
@@ -214,10 +214,13 @@ async def main_async(args) -> None:
                 ok = [r for r in res.requests if r.status == "ok"]
                 ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
                 e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+                # after the first token: the decode phase, which the requests sharing an engine slow down
+                decode = [r.e2e_s - r.ttft_s for r in ok if r.e2e_s is not None and r.ttft_s is not None]
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
                        "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1),
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
-                       "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50), "wall": wall}
+                       "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
+                       "decode50": pct(decode, 50), "wall": wall}
                 results[name].append(row)
                 errs = {}
                 for r in res.requests:
@@ -228,7 +231,7 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.2f}s  router CPU {row['cpu_ms_per_req']:.2f} ms/req ({wall:.0f}s wall, load "
+                      f"{row['e2e50']:.2f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req ({wall:.0f}s wall, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
         print("medians over rounds:")
         for name, rs in results.items():
@@ -239,7 +242,8 @@ async def main_async(args) -> None:
                 return statistics.median(r[k] for r in rs)
 
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
-                  f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.2f}s  router CPU {med('cpu_ms_per_req'):.2f} ms/req")
+                  f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.2f}s (decode {med('decode50'):.3f}s)  "
+                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req")
     finally:
         for h in hogs:
             h.kill()

@@ -75,6 +75,12 @@ def test_filters(type_name, params, backends, req, ctx_kw, expect):
      {"block_size": 16, "prompt_tokens": 64, "overlap": {"b": 4}}, [1.0, 1.0]),  # b's queue eats its cache win
     ("prefill-load-scorer", {"queue_tokens": 100}, [B("a", waiting=2), B("b")], {"block_size": 16, "prompt_tokens": 64},
      [80 / 280, 1.0]),
+    # decode_weight: uncached tokens x (1 + w x running requests); a cached prefix weighs nothing there
+    ("prefill-load-scorer", {"decode_weight": 0.5}, [B("a", running=4), B("b")], {"block_size": 16, "prompt_tokens": 64},
+     [80 / 208, 1.0]),
+    ("prefill-load-scorer", {"decode_weight": 0.5}, [B("a", running=4), B("b")],
+     {"block_size": 16, "prompt_tokens": 64, "overlap": {"a": 4}}, [1.0, 16 / 80]),
+    ("prefill-load-scorer", {}, [B("a", running=4), B("b")], {"block_size": 16, "prompt_tokens": 64}, [1.0, 1.0]),
 ])
 def test_scorers(type_name, params, backends, ctx_kw, expect):
     s = build_plugin(type_name, parameters=params)

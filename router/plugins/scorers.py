@@ -185,6 +185,10 @@ class PrefillLoadParams(_P):
     queue_tokens: float = Field(default=0.0, ge=0,
                                 description="prefill tokens counted per waiting request the engine reports "
                                             "(requests other routers sent, which this router's bookkeeping misses)")
+    decode_weight: float = Field(default=0.0, ge=0,
+                                 description="how much the requests already running on an engine count: its "
+                                             "uncached tokens are weighed (1 + decode_weight x running), since every "
+                                             "chunk of a new prefill also delays each of them by its step")
 
 
 @register
@@ -192,7 +196,9 @@ class PrefillLoadScorer(Scorer):
     """How soon this backend could start decoding the request: the prefill work it would have.
 
     ``work = pending prefill tokens already routed there + the request's uncached tokens there
-    (prompt - cached prefix blocks x block size) + queue_tokens x waiting requests``; the score is
+    (prompt - cached prefix blocks x block size) x (1 + decode_weight x running requests) +
+    queue_tokens x waiting requests`` (the running requests: each step of a new prefill delays
+    them too, so with ``decode_weight`` a long uncached prompt leans to an engine decoding less); the score is
     ``least work / work`` (1 for the least loaded, smoothly lower for the others), so a long
     cached prefix and a short prefill queue pull together, and a hot backend whose queue would
     cost more than its cache saves loses to an idle one.
@@ -207,10 +213,15 @@ class PrefillLoadScorer(Scorer):
         prompt = ctx.prompt_tokens or ctx.request_blocks * bs
         get = ctx.overlap.get if ctx.overlap else (lambda _p, _d=0: 0)
         qt = self.params.queue_tokens
+        dw = self.params.decode_weight
         work = []
         for b in cands:
             uncached = prompt - get(b.pod, 0) * bs
+            if uncached < 0:
+                uncached = 0
+            if dw:
+                uncached *= 1.0 + dw * b.running
             work.append((b.pending_prefill_tokens if b.pending_prefill_tokens > 0 else 0)
-                        + (uncached if uncached > 0 else 0) + qt * b.waiting + bs)
+                        + uncached + qt * b.waiting + bs)
         lo = min(work)
         return [lo / w for w in work]
