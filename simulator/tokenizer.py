@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
@@ -280,6 +280,20 @@ _PIECE = 4096
 _PIECE_MEMO_CHARS = 16 << 20
 
 
+def _cut(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of at least ``size`` characters (the last may be shorter), each cut just
+    before a space: no token spans whitespace, so the pieces' ids joined are the text's ids."""
+    n = len(text)
+    start = 0
+    find = text.find
+    while start < n:
+        cut = find(" ", start + size)
+        if cut < 0:
+            cut = n
+        yield text[start:cut]
+        start = cut
+
+
 @functools.cache
 def _ascii_kernel():
     """:mod:`simulator.tokenizer_kernel` when numba is installed (the router's extra), else None."""
@@ -391,14 +405,8 @@ class SimpleTokenizer:
         if n <= _CHUNK:
             return list(self._encode_piece(text))
         out: list[int] = []
-        start = 0
-        find = text.find
-        while start < n:
-            cut = find(" ", start + _CHUNK)
-            if cut < 0:
-                cut = n
-            out += self._encode_piece(text[start:cut])
-            start = cut
+        for piece in _cut(text, _CHUNK):
+            out += self._encode_piece(piece)
         return out
 
     def _kernel_pass(self, kernel: Any, text: str, dtype: type) -> np.ndarray:
@@ -419,13 +427,7 @@ class SimpleTokenizer:
             return self._kernel_pass(kernel, text, dtype)
         memo = self._pieces
         parts = []
-        start = 0
-        find = text.find
-        while start < n:
-            cut = find(" ", start + _PIECE)
-            if cut < 0:
-                cut = n
-            piece = text[start:cut]
+        for piece in _cut(text, _PIECE):
             ids = memo.pop(piece, None)
             if ids is None:
                 ids = self._kernel_pass(kernel, piece, np.uint32)
@@ -435,7 +437,6 @@ class SimpleTokenizer:
                     del memo[old]
             memo[piece] = ids  # most recently used last
             parts.append(ids)
-            start = cut
         out = np.concatenate(parts)
         return out if dtype is np.uint32 else out.astype(dtype)
 
