@@ -348,6 +348,32 @@ def _extend_hashes(buf: array, hashes) -> None:
         raise ValueError(f"block hashes must be integers in [0, 2**64): {exc}") from None
 
 
+def _extend_tokens(buf: array, toks) -> None:
+    """Append token ids (a binary message's checked view, a decoder's array, a list) as uint32."""
+    if type(toks) is memoryview and toks.format == "I":  # a binary message's checked view
+        buf.frombytes(toks.cast("B"))
+    elif type(toks) is np.ndarray:
+        if toks.dtype == np.uint32:  # a decoder's parsed array
+            buf.frombytes(memoryview(np.ascontiguousarray(toks)).cast("B"))
+        else:
+            buf.frombytes(memoryview(_token_array(toks)).cast("B"))
+    else:
+        buf.extend(toks)
+
+
+def _u64_bytes(values) -> bytes | memoryview:
+    """uint64 values (a checked view, a numpy array, an ``array("Q")`` or ints) as native bytes;
+    OverflowError / TypeError / ValueError when they are not all in [0, 2**64)."""
+    if type(values) is memoryview and values.format == "Q":
+        return values.cast("B")
+    if type(values) is np.ndarray:
+        if values.dtype != np.uint64:
+            raise TypeError(f"an array of {values.dtype}, not uint64")
+        return np.ascontiguousarray(values).tobytes()
+    a = values if isinstance(values, array) and values.typecode == "Q" else array("Q", values)
+    return memoryview(a).cast("B")
+
+
 _HAS_KEYS = "block_keys" in BlockStored.model_fields
 _HAS_SALTS = "block_salts" in BlockStored.model_fields
 _HAS_DIGESTS = "block_digests" in BlockStored.model_fields
@@ -748,40 +774,20 @@ class KvIndex:
                     parent = lora_seed(lora_name if lora_name is not None else lora_id)
             salts = ev.block_salts if _HAS_SALTS else getattr(ev, "block_salts", None)
             digests = ev.block_digests if _HAS_DIGESTS else getattr(ev, "block_digests", None)
-            if digests is not None:  # a bridge's digests: two words per block in place of its tokens
-                kind |= core.DIGESTS
-                words = 2
-                toks = digests
-                try:
-                    if type(toks) is memoryview and toks.format == "Q":
-                        tk.frombytes(toks.cast("B"))
-                    else:
-                        tk.frombytes(memoryview(toks if isinstance(toks, array) and toks.typecode == "Q"
-                                                else array("Q", toks)).cast("B"))
-                except (OverflowError, TypeError, ValueError) as exc:
-                    del hs[h0:]
-                    del tk[t0:]
-                    raise ValueError(f"block digests must be integers in [0, 2**64): {exc}") from None
-                toks = None
-            else:
-                words = bs
-                toks = ev.token_ids
             try:
-                if toks is None:
-                    pass
-                elif type(toks) is memoryview and toks.format == "I":  # a binary message's checked view
-                    tk.frombytes(toks.cast("B"))
-                elif type(toks) is np.ndarray:
-                    if toks.dtype == np.uint32:  # a decoder's parsed array
-                        tk.frombytes(memoryview(np.ascontiguousarray(toks)).cast("B"))
-                    else:
-                        tk.frombytes(memoryview(_token_array(toks)).cast("B"))
+                if digests is not None:  # a bridge's: a digest per block (two words) in place of its tokens
+                    kind |= core.DIGESTS
+                    words = 2
+                    tk.frombytes(_u64_bytes(digests))
                 else:
-                    tk.extend(toks)
+                    words = bs
+                    _extend_tokens(tk, ev.token_ids)
             except (OverflowError, TypeError, ValueError) as exc:
                 del hs[h0:]
                 del tk[t0:]
-                raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+                what = "block digests must be integers in [0, 2**64)" if digests is not None else \
+                    "token ids must be integers in [0, 2**32)"
+                raise ValueError(f"{what}: {exc}") from None
             if len(tk) - t0 != n * words or (salts is not None and len(salts) != n):
                 del hs[h0:]
                 del tk[t0:]
