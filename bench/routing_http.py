@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -189,6 +190,8 @@ async def main_async(args) -> None:
                            "--tokenizer", "simple"]
                     for h in cluster.engines:
                         cmd += ["-b", f"{h.engine_id}={h.url}@{MODEL}"]
+                if args.nice:
+                    cmd = ["nice", "-n", str(args.nice), *cmd]
                 proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 try:
                     url = f"http://127.0.0.1:{port}"
@@ -222,6 +225,10 @@ async def main_async(args) -> None:
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "decode50": pct(decode, 50), "wall": wall}
                 results[name].append(row)
+                if args.out is not None:  # every request of the run, for a closer look
+                    with open(args.out, "a") as f:
+                        for r in res.requests:
+                            f.write(json.dumps({"router": name, "round": rnd + 1, **r.model_dump(exclude={"itl_s"})}) + "\n")
                 errs = {}
                 for r in res.requests:
                     if r.status != "ok":
@@ -271,6 +278,11 @@ def main() -> None:
     ap.add_argument("--vllm-router-version", default="0.1.17", help="for vllm:POLICY routers (PyPI vllm-router)")
     ap.add_argument("--cpu-hog", type=int, default=0,
                     help="processes spinning on the CPU during every run (a busy machine, the same for every router)")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="run every router under this niceness (the engines run in this process on the same "
+                         "cores: shows how much a router's own CPU slows them)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,
                     help="infernex strategy (name or YAML), sglang:POLICY or vllm:POLICY; repeat")
     asyncio.run(main_async(ap.parse_args()))
