@@ -231,8 +231,8 @@ class IndexerService:
         await asyncio.to_thread(warm_up)  # the fold's kernels: compiled or loaded before the first event
         self._nc = await bus.connect(self.nats_config, name=f"indexer-{self.config.durable}")
         self._js = self._nc.jetstream()
-        try:
-            await self._js.stream_info(self.stream)
+        try:  # (a node that just died may have led the stream: wait out the election)
+            await _while_electing(lambda: self._js.stream_info(self.stream), f"stream info {self.stream}")
         except NotFoundError:
             await self._nc.close()
             raise RuntimeError(f"stream {self.stream} does not exist; run `infernex streams apply` first") from None
