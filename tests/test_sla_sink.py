@@ -206,14 +206,21 @@ async def test_insert_that_failed_after_landing_is_redelivered_and_counted_once(
         stop = asyncio.Event()
         task = asyncio.create_task(sink.run(stop))
 
+        seen: dict = {}
+
         async def done():
             # the sink counts rows as inserted before it refreshes their minutes and acks: wait for
             # the rollup too, so stopping the sink cannot cut the last refresh short
-            if not (Q.table_counts(store)["request_records"] == 400 and sink.inserted["request_records"] >= 400):
+            seen.update(table=Q.table_counts(store)["request_records"], inserted=sink.inserted["request_records"])
+            if not (seen["table"] == 400 and seen["inserted"] >= 400):
                 return False
-            return [r["requests"] for r in Q.sla_summary_rollup(store, t0 - 60, t0 + 120)] == [400]
+            seen["rollup"] = [r["requests"] for r in Q.sla_summary_rollup(store, t0 - 60, t0 + 120)]
+            return seen["rollup"] == [400]
 
-        await _wait_for(done, timeout=60, what="all rows and their rollup after the failed insert")
+        try:
+            await _wait_for(done, timeout=60, what="all rows and their rollup after the failed insert")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen {seen}") from None
         stop.set()
         await asyncio.wait_for(task, timeout=30)
         assert flaky.failed
