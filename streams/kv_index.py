@@ -367,9 +367,9 @@ def _u64_bytes(values) -> bytes | memoryview:
     if type(values) is memoryview and values.format == "Q":
         return values.cast("B")
     if type(values) is np.ndarray:
-        if values.dtype != np.uint64:
-            raise TypeError(f"an array of {values.dtype}, not uint64")
-        return np.ascontiguousarray(values).tobytes()
+        if values.dtype == np.uint64:
+            return np.ascontiguousarray(values).tobytes()
+        values = values.tolist()  # (other integer arrays: checked value by value, like a list)
     a = values if isinstance(values, array) and values.typecode == "Q" else array("Q", values)
     return memoryview(a).cast("B")
 
@@ -746,13 +746,10 @@ class KvIndex:
         salts = None
         if keys is not None:
             kind, parent = core.KEYS_GIVEN, 0
+            karr = array("Q")
             try:
-                if type(keys) is memoryview and keys.format == "Q":
-                    karr = array("Q")
-                    karr.frombytes(keys.cast("B"))
-                else:
-                    karr = keys if isinstance(keys, array) and keys.typecode == "Q" else array("Q", keys)
-            except (OverflowError, TypeError):
+                karr.frombytes(_u64_bytes(keys))
+            except (OverflowError, TypeError, ValueError):
                 karr = None
             if karr is None or len(karr) != n or 0 in karr:
                 del hs[h0:]
