@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--kv-model", choices=("coarse", "fine"), default="coarse")
     ap.add_argument("--num-gpu-blocks", type=int, default=None)
     ap.add_argument("--max-output-tokens", type=int, default=None)
+    ap.add_argument("--metrics-interval", type=float, default=0.0,
+                    help="virtual seconds between scrapes of the engines' load (0: exact at every decision)")
     ap.add_argument("-p", "--profile", action="append", default=None)
     args = ap.parse_args()
     from infernex.whatif import Fleet, simulate
@@ -76,7 +78,8 @@ def main() -> None:
     print(f"{'strategy':<22} {'hit':>6} {'ovl':>6} {'spread':>6} {'busy':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
           f"{'E2E p50':>8} {'E2E p90':>8} {'err':>4}")
     for prof in profiles:
-        q = quality(simulate(rows, prof, fleet, time_scale=args.time_scale, max_output_tokens=args.max_output_tokens))
+        q = quality(simulate(rows, prof, fleet, time_scale=args.time_scale, max_output_tokens=args.max_output_tokens,
+                                    metrics_interval_s=args.metrics_interval))
         ovl = f"{q['overlap']:.3f}" if q["overlap"] is not None else "-"
         print(f"{Path(prof).stem:<22} {q['hit']:6.1%} {ovl:>6} {q['spread']:6.2f} {q['busy_spread'] or 0:6.2f} "
               f"{q['ttft50']:9.3f} {q['ttft90']:9.3f} {q['e2e50']:8.2f} {q['e2e90']:8.2f} {q['errors']:4d}")

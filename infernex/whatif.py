@@ -210,8 +210,14 @@ def _overlap(core: EngineCore, keys: list[int]) -> int:
 
 
 def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, time_scale: float = 1.0,
-             seed: int = 0, synth: PromptSynthesizer | None = None, max_output_tokens: int | None = None) -> WhatIfResult:
-    """Run ``rows`` (arrivals at ``timestamp / time_scale``) through ``profile`` on ``fleet``."""
+             seed: int = 0, synth: PromptSynthesizer | None = None, max_output_tokens: int | None = None,
+             metrics_interval_s: float = 0.0) -> WhatIfResult:
+    """Run ``rows`` (arrivals at ``timestamp / time_scale``) through ``profile`` on ``fleet``.
+
+    ``metrics_interval_s``: the engines' reported load (waiting, running, KV usage) as a metrics
+    collector scraping that often would give it (0: exact at every decision): read at the first
+    decision after each scrape tick and kept until the next. The router's own counters (in flight,
+    pending prefill) are always exact, as they are for the HTTP router."""
     fleet = fleet or Fleet()
     synth = synth or PromptSynthesizer()
     coarse = fleet.kv_model == "coarse"
@@ -258,13 +264,19 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
             e.free_at = t
             heapq.heappush(heap, (t, e.pod))
 
+    scraped = [-math.inf]
+
     def route(req: _Req, now: float) -> None:
         nonlocal best_total, chosen_total, rejected
+        scrape = now - scraped[0] >= metrics_interval_s
+        if scrape and metrics_interval_s > 0:
+            scraped[0] = now - (now % metrics_interval_s)
         for e in engines.values():
             s = states[e.pod]
-            s.waiting = e.core.num_waiting
-            s.running = e.core.num_running
-            s.kv_usage = e.core.kv_usage
+            if scrape:
+                s.waiting = e.core.num_waiting
+                s.running = e.core.num_running
+                s.kv_usage = e.core.kv_usage
             s.inflight = e.inflight
             s.active_tokens = e.active_tokens
             s.pending_prefill_tokens = e.pending_prefill

@@ -81,12 +81,30 @@ def test_filters(type_name, params, backends, req, ctx_kw, expect):
     ("prefill-load-scorer", {"decode_weight": 0.5}, [B("a", running=4), B("b")],
      {"block_size": 16, "prompt_tokens": 64, "overlap": {"a": 4}}, [1.0, 16 / 80]),
     ("prefill-load-scorer", {}, [B("a", running=4), B("b")], {"block_size": 16, "prompt_tokens": 64}, [1.0, 1.0]),
+    # context_weight: + w x output tokens (REQ names none: output_tokens) x prompt tokens in flight there
+    ("prefill-load-scorer", {"context_weight": 0.01, "output_tokens": 100}, [B("a", active_tokens=1000), B("b")],
+     {"block_size": 16, "prompt_tokens": 64}, [80 / 1080, 1.0]),
+    ("prefill-load-scorer", {"context_weight": 0.01}, [B("a", active_tokens=1000), B("b", active_tokens=500)],
+     {"block_size": 16, "prompt_tokens": 64, "overlap": {"a": 4}}, [(80 + 2.56 * 500) / (16 + 2.56 * 1000), 1.0]),
+    # (a's cached prompt saves 64 tokens of prefill; its extra 500 tokens in flight cost 1280 in decode)
 ])
 def test_scorers(type_name, params, backends, ctx_kw, expect):
     s = build_plugin(type_name, parameters=params)
     got = s.score(REQ, backends, Ctx(**ctx_kw))
     assert got == pytest.approx(expect)
     assert all(0.0 <= x <= 1.0 for x in got)
+
+
+def test_prefill_load_context_term_uses_the_requests_max_tokens_up_to_the_cap():
+    s = build_plugin("prefill-load-scorer", parameters={"context_weight": 0.01, "max_output_tokens": 300})
+    cands = [B("a", active_tokens=1000), B("b")]
+    ctx = Ctx(block_size=16, prompt_tokens=64)
+    short = RoutingRequest(model="m", prompt_tokens=64, max_tokens=10)
+    long_ = RoutingRequest(model="m", prompt_tokens=64, max_tokens=100_000)
+    assert s.score(short, cands, ctx) == pytest.approx([80 / (80 + 0.01 * 10 * 1000), 1.0])
+    assert s.score(long_, cands, ctx) == pytest.approx([80 / (80 + 0.01 * 300 * 1000), 1.0])
+    off = build_plugin("prefill-load-scorer", parameters={})
+    assert off.score(long_, cands, ctx) == [1.0, 1.0]  # context in flight does not count by default
 
 
 def test_dynamo_cost_formula():

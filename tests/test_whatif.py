@@ -52,6 +52,37 @@ def test_deterministic():
     assert [(r.backend, r.ttft_s, r.e2e_s) for r in a.rows] == [(r.backend, r.ttft_s, r.e2e_s) for r in b.rows]
 
 
+def test_metrics_interval_gives_the_router_the_load_of_the_last_scrape(monkeypatch):
+    """With a scrape interval, the engines' reported load (running, waiting, KV usage) is what it
+    was at the last scrape tick, while the router's own counters stay exact."""
+    from router.core import Router
+
+    seen: list[tuple[float, float, int]] = []
+    decide = Router.decide
+
+    def spy(self, rreq, backends, index, now, **kw):
+        seen.append((now, sum(b.running for b in backends), sum(b.inflight for b in backends)))
+        return decide(self, rreq, backends, index, now, **kw)
+
+    monkeypatch.setattr(Router, "decide", spy)
+    rows = _conversations()  # 65 requests, at time scale 20 one every 20 ms: they overlap
+    simulate(rows, "kv-aware", Fleet(aggregated=4, num_gpu_blocks=20000), time_scale=20)
+    exact = list(seen)
+    seen.clear()
+    simulate(rows, "kv-aware", Fleet(aggregated=4, num_gpu_blocks=20000), time_scale=20, metrics_interval_s=0.5)
+    assert len(seen) == len(exact) == len(rows)
+    # exact: the running count moves from decision to decision
+    assert len({r for _, r, _ in exact}) > 3
+    # scraped every 0.5 s: constant within each window (the first decision's, in the first)
+    for (t1, r1, _), (t2, r2, _) in zip(seen, seen[1:]):
+        if int(t1 // 0.5) == int(t2 // 0.5):
+            assert r1 == r2
+    assert seen[0][1] == 0 and all(r == 0 for t, r, _ in seen if t < 0.5)
+    assert len({r for _, r, _ in seen}) > 1  # but it does move, scrape by scrape
+    # the router's own in-flight count is exact either way
+    assert any(i > 0 for t, _, i in seen if t < 0.5)
+
+
 def test_pd_profile_goes_prefill_then_decode():
     rows = _conversations(n_convs=3, turns=3)
     r = simulate(rows, "pd-kv-aware", Fleet(aggregated=0, pd_groups=1))

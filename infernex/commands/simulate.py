@@ -28,6 +28,10 @@ def simulate(
     max_output_tokens: Optional[int] = typer.Option(None, "--max-output-tokens", min=1,
                                                     help="cap each request's output (the demo uses 64)"),
     time_scale: float = typer.Option(1.0, "--time-scale", help="arrivals at timestamp / K"),
+    metrics_interval: float = typer.Option(
+        0.0, "--metrics-interval", min=0.0,
+        help="virtual seconds between scrapes of the engines' load, as the metrics collector gives it to the "
+             "router (0: exact at every decision; the collector's default is 5)"),
     seed: int = typer.Option(0, "--seed"),
     kv_model: str = typer.Option(
         "coarse", "--kv-model",
@@ -54,7 +58,8 @@ def simulate(
     results, runs = [], []
     for prof in profiles:
         try:
-            r = run(rows, prof, fleet, time_scale=time_scale, seed=seed, max_output_tokens=max_output_tokens)
+            r = run(rows, prof, fleet, time_scale=time_scale, seed=seed, max_output_tokens=max_output_tokens,
+                    metrics_interval_s=metrics_interval)
         except (ValueError, FileNotFoundError) as exc:
             console.print(f"[red]{prof}: {exc}[/red]")
             raise typer.Exit(2) from None
@@ -69,6 +74,8 @@ def simulate(
     console.print(rich_table(results, title))
     paths = write_report(results, out, title=title,
                          notes=["virtual time; the KV view is exact and without event lag",
+                                (f"engines' load scraped every {metrics_interval:g} virtual s" if metrics_interval
+                                 else "engines' load exact at every decision"),
                                 f"KV model: {kv_model} (see infernex/whatif.py)",
                                 "KV cache per engine: " + ", ".join(f"{c:,} tokens" for c in caps)])
     console.print(f"report: {paths['html']}")

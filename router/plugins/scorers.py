@@ -189,19 +189,37 @@ class PrefillLoadParams(_P):
                                  description="how much the requests already running on an engine count: its "
                                              "uncached tokens are weighed (1 + decode_weight x running), since every "
                                              "chunk of a new prefill also delays each of them by its step")
+    context_weight: float = Field(default=0.0, ge=0,
+                                  description="prefill tokens' worth of one token of context in flight, per output "
+                                              "token: each decode step reads the KV of every request on the engine, "
+                                              "so the request's decode costs context_weight x output tokens x the "
+                                              "prompt tokens this router has in flight there (roofline: KV bytes per "
+                                              "token / HBM bandwidth over FLOPs per token / compute, about 0.0015 for "
+                                              "an 8B model on an H100)")
+    output_tokens: int = Field(default=256, gt=0,
+                               description="output tokens assumed for a request that names no max_tokens")
+    max_output_tokens: int = Field(default=2048, gt=0,
+                                   description="a larger max_tokens counts as this many (most answers stop earlier)")
 
 
 @register
 class PrefillLoadScorer(Scorer):
-    """How soon this backend could start decoding the request: the prefill work it would have.
+    """How long the request would take on this backend, in prefill tokens' worth of work.
 
     ``work = pending prefill tokens already routed there + the request's uncached tokens there
     (prompt - cached prefix blocks x block size) x (1 + decode_weight x running requests) +
-    queue_tokens x waiting requests`` (the running requests: each step of a new prefill delays
-    them too, so with ``decode_weight`` a long uncached prompt leans to an engine decoding less); the score is
-    ``least work / work`` (1 for the least loaded, smoothly lower for the others), so a long
-    cached prefix and a short prefill queue pull together, and a hot backend whose queue would
-    cost more than its cache saves loses to an idle one.
+    queue_tokens x waiting requests + context_weight x output tokens x context in flight there``.
+
+    The first two terms are how soon it could start decoding. With ``decode_weight``, a long
+    uncached prompt leans to an engine decoding less, since each step of a new prefill delays
+    the requests running there too. With ``context_weight``, the decode phase counts: each decode
+    step reads the KV of every request on the engine, so a request decodes slower where more
+    context is in flight. That uses the router's own count of prompt tokens in flight, which is
+    exact when the request is placed, where the engines' reported load lags by a scrape interval.
+
+    The score is ``least work / work`` (1 for the least loaded, smoothly lower for the others), so
+    a long cached prefix and a short prefill queue pull together, and a hot backend whose queue
+    would cost more than its cache saves loses to an idle one.
     """
 
     type_name = "prefill-load-scorer"
@@ -215,6 +233,10 @@ class PrefillLoadScorer(Scorer):
         qt = self.params.queue_tokens
         dw = self.params.decode_weight
         work = []
+        cw = self.params.context_weight
+        if cw:
+            out = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens > 0 else self.params.output_tokens
+            cw *= out if out < self.params.max_output_tokens else self.params.max_output_tokens
         for b in cands:
             uncached = prompt - get(b.pod, 0) * bs
             if uncached < 0:
@@ -222,6 +244,6 @@ class PrefillLoadScorer(Scorer):
             if dw:
                 uncached *= 1.0 + dw * b.running
             work.append((b.pending_prefill_tokens if b.pending_prefill_tokens > 0 else 0)
-                        + uncached + qt * b.waiting + bs)
+                        + uncached + qt * b.waiting + bs + cw * b.active_tokens)
         lo = min(work)
         return [lo / w for w in work]
