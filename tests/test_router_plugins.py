@@ -59,6 +59,8 @@ def test_filters(type_name, params, backends, req, ctx_kw, expect):
     ("queue-scorer", {}, [B("a", waiting=0), B("b", waiting=5), B("c", waiting=10)], {}, [1.0, 0.5, 0.0]),
     ("queue-scorer", {}, [B("a", waiting=3), B("b", waiting=3)], {}, [1.0, 1.0]),
     ("active-tokens-scorer", {}, [B("a", active_tokens=100), B("b", active_tokens=300)], {}, [1.0, 0.0]),
+    ("inflight-scorer", {}, [B("a", inflight=2, waiting=9), B("b", inflight=6), B("c", inflight=10)], {},
+     [1.0, 0.5, 0.0]),  # the router's own count, not the engines' reported queue
     # seed 001: 0.4(1-queue)+0.3(1-cpu)+0.3(1-mem)
     ("health-scorer", {"max_queue": 10}, [B("a", waiting=5, cpu_util=0.5, mem_util=0.2)], {},
      [0.4 * 0.5 + 0.3 * 0.5 + 0.3 * 0.8]),

@@ -102,6 +102,17 @@ class ActiveTokensScorer(Scorer):
         return _relative_low_is_good([b.active_tokens + b.running for b in cands])
 
 
+@register
+class InflightScorer(Scorer):
+    """Fewer requests in flight through this router is better (relative): the router's own count,
+    exact when the request is placed, where the engines' reported queues lag by a scrape."""
+
+    type_name = "inflight-scorer"
+
+    def score(self, req, cands, ctx):
+        return _relative_low_is_good([b.inflight for b in cands])
+
+
 class HealthParams(_P):
     max_queue: float = Field(default=32, gt=0, description="waiting requests that count as a full queue")
     max_running: float = Field(default=256, gt=0, description="running requests that count as full CPU")
