@@ -46,6 +46,9 @@ class DemoConfig:
     model_profile: str = "llama-3.1-8b"
     num_gpu_blocks: int | None = 12000
     max_output_tokens: int = 64
+    # the live run's engine-metrics scrape (wall seconds); the virtual-time run gives the router the
+    # engines' load as that scrape does (every metrics_interval_s x time_scale of trace time)
+    metrics_interval_s: float = 1.0
     out: Path = Path("infernex-demo")
     concurrency: int = 64
     # the rest of the control plane: engine-metrics and device collectors, the diagnosis engine and
@@ -198,7 +201,9 @@ def tally_warnings(log_file: Path):
 
 def virtual_comparison(rows, cfg: "DemoConfig") -> list:
     """The same rows and strategies through the router's real strategy code over the simulator's
-    engine model in virtual time (:mod:`infernex.whatif`): deterministic, whatever the machine."""
+    engine model in virtual time (:mod:`infernex.whatif`): deterministic, whatever the machine. The
+    router reads the engines' load as the live run's metrics scrape gives it, not exact at every
+    decision (exact load flattered kv-aware's E2E by a quarter: bench/RESULTS.md, session 10)."""
     from infernex.report import StrategyResult
     from infernex.whatif import Fleet, simulate
 
@@ -209,7 +214,8 @@ def virtual_comparison(rows, cfg: "DemoConfig") -> list:
     for strategy in cfg.strategies:
         if strategy.startswith("pd-") and not fleet.pd_groups:
             continue
-        r = simulate(rows, strategy, fleet, time_scale=1.0, seed=0, max_output_tokens=cfg.max_output_tokens)
+        r = simulate(rows, strategy, fleet, time_scale=1.0, seed=0, max_output_tokens=cfg.max_output_tokens,
+                     metrics_interval_s=cfg.metrics_interval_s * cfg.time_scale)
         out.append(StrategyResult(strategy, r.summary(), r.overlap_share, r.busy_spread,
                                   {"virtual_s": r.virtual_s, "rejected": r.rejected}))
     return out
@@ -349,7 +355,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             # request records and metrics -> ClickHouse (chDB, under the report directory)
             targets = [Target(url=f"{h.url}/metrics", pod=h.engine_id, role=roles[h.engine_id], model=MODEL) for h in cluster.engines]
             collector = MetricsCollector(targets, js, registry=CollectorRegistry())
-            tasks.append(asyncio.create_task(collector.run(bridges_stop, 1.0)))
+            tasks.append(asyncio.create_task(collector.run(bridges_stop, cfg.metrics_interval_s)))
             node = SimulatedNode("demo-node", len(cluster.engines), "npu", seed=0,
                                  pods={str(i): [h.engine_id] for i, h in enumerate(cluster.engines)})
             devices = DeviceCollector(make_reader("sim", node.node, sim_node=node), js, node=node.node, source="sim",
