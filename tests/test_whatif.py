@@ -146,7 +146,9 @@ def test_simulate_command_on_the_shared_trace(tmp_path):
     assert all(d["summary"]["ok"] == 60 for d in data)
     assert all(d["summary"]["output_tokens"] <= 60 * 16 for d in data)
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
-    assert "kv-aware" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "kv-aware" in html
+    assert "scraped every 5 virtual s" in html  # the router saw the engines' load as the collector gives it
 
 
 def test_simulate_command_rejects_unknown_kv_model(tmp_path):

@@ -29,9 +29,10 @@ def simulate(
                                                     help="cap each request's output (the demo uses 64)"),
     time_scale: float = typer.Option(1.0, "--time-scale", help="arrivals at timestamp / K"),
     metrics_interval: float = typer.Option(
-        0.0, "--metrics-interval", min=0.0,
+        5.0, "--metrics-interval", min=0.0,
         help="virtual seconds between scrapes of the engines' load, as the metrics collector gives it to the "
-             "router (0: exact at every decision; the collector's default is 5)"),
+             "router (default: `infernex collect metrics`' default interval; 0: exact at every decision, "
+             "which flatters strategies that read the engines' load)"),
     seed: int = typer.Option(0, "--seed"),
     kv_model: str = typer.Option(
         "coarse", "--kv-model",
