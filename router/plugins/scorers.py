@@ -199,7 +199,8 @@ class PrefillLoadParams(_P):
     decode_weight: float = Field(default=0.0, ge=0,
                                  description="how much the requests already running on an engine count: its "
                                              "uncached tokens are weighed (1 + decode_weight x running), since every "
-                                             "chunk of a new prefill also delays each of them by its step")
+                                             "chunk of a new prefill also delays each of them by its step; running is "
+                                             "the engines' reported count, a scrape old")
     context_weight: float = Field(default=0.0, ge=0,
                                   description="prefill tokens' worth of one token of context in flight, per output "
                                               "token: each decode step reads the KV of every request on the engine, "
