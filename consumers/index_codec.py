@@ -24,7 +24,7 @@ from schemas.kv import MAX_EPOCH, MAX_SEQ, U64, AllBlocksCleared, BlockRemoved, 
 from streams.kv_core import parse_uint_arrays
 from streams.kv_index import KvIndex
 
-SNAPSHOT_FORMAT = 5  # 5: keys chain block digests (streams.kv_core); 4 chained tokens directly
+SNAPSHOT_FORMAT = 5  # 5: keys chain block digests (streams.kv_core, streams.kv_keys.KEY_SCHEME 2); 4 chained tokens directly
 _LITTLE = sys.byteorder == "little"
 
 

@@ -52,6 +52,7 @@ from schemas.subjects import kv_events
 from streams.clock import ManualClock
 from streams.health import HealthState
 from streams.kv_index import KvIndex
+from streams.kv_keys import KEY_SCHEME
 
 
 def iso(ts: float) -> str:
@@ -469,11 +470,18 @@ def explain_request(history: ReplayState, stages: list[RoutingDecision], *,
                              "severity": d.severity, "action": d.action, "since": iso(d.first_seen),
                              "summary": d.summary})
     index_blocks = None
+    left_out = None
     if inputs is not None and inputs.prefix_keys:
-        model = inputs.index_model or stages[0].model
-        got = history.index.match_keys(model, inputs.prefix_keys, pods)
-        index_blocks = {p: int(m.matched_blocks) - int(m.predicted_blocks) for p, m in got.items()}
+        if inputs.key_scheme == KEY_SCHEME:
+            model = inputs.index_model or stages[0].model
+            got = history.index.match_keys(model, inputs.prefix_keys, pods)
+            index_blocks = {p: int(m.matched_blocks) - int(m.predicted_blocks) for p, m in got.items()}
+        else:  # keys of another function name other blocks: every pod would read 0
+            left_out = (f"the router recorded the prompt's block keys under key scheme {inputs.key_scheme or 1}, "
+                        f"the rebuilt index uses {KEY_SCHEME}: not compared")
     out = explain(stages, other=other, history=hist, findings=findings, index_blocks=index_blocks)
+    if left_out:
+        out["prefix"]["index_left_out"] = left_out
     out["at_iso"] = iso(stages[0].ts)
     return out
 

@@ -19,6 +19,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from schemas import subjects as S
+from streams.kv_keys import KEY_SCHEME
 from schemas.base import SCHEMA_VERSION, Event
 from schemas.records import RequestRecord, RoutingDecision
 
@@ -114,7 +115,7 @@ def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], 
     out = {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
             "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
             "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,
-            "overlap": dict(overlap), "prefix_keys": keys,
+            "overlap": dict(overlap), "prefix_keys": keys, "key_scheme": KEY_SCHEME if keys is not None else None,
             "backends": {"columns": BACKEND_FIELDS, "rows": rows}}
     if predicted:
         out["predicted"] = dict(predicted)

@@ -72,6 +72,9 @@ class DecisionInputs(BaseModel):
     predicted: dict[str, int] = Field(default_factory=dict, description="pod -> of its overlap, the blocks "
                                       "only predicted from the router's own routing (approximate prefix mode)")
     prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index)")
+    key_scheme: int | None = Field(default=None, description="the block-key function prefix_keys were made with "
+                                   "(streams.kv_keys.KEY_SCHEME); absent: a router from before the field, whose keys "
+                                   "an index folded today does not share")
     backends: list[BackendInput] = Field(default_factory=list, description="on the wire also the compact form "
                                          "{columns: [field, ...], rows: [[value, ...], ...]}")
 

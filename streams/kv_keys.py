@@ -17,6 +17,13 @@ from xxhash import xxh3_64_intdigest
 
 _enc = msgspec.msgpack.Encoder()
 
+#: the version of the index's block-key function (``streams.kv_core``): 2 chains per-block digests
+#: of the tokens into the parent key (since the bridges send digests); 1 chained the tokens directly.
+#: Keys made under another version name other blocks: recorded keys (decision records'
+#: ``inputs.prefix_keys``) are only compared with an index built under the same one. Bump it, and
+#: ``consumers.index_codec.SNAPSHOT_FORMAT``, whenever the key function changes.
+KEY_SCHEME = 2
+
 
 def lora_seed(lora: int | str | None = None) -> int:
     """The chain seed of a prompt's first block: 0, or derived from the LoRA adapter."""

@@ -57,6 +57,8 @@ def render(console: Console, ex: dict[str, Any]) -> None:
     for pod, v in pre["per_pod"].items():
         t.add_row(pod, str(v["recorded"]), _f(v.get("index_at_t")))
     console.print(t)
+    if pre.get("index_left_out"):
+        console.print(f"in the index at T: {pre['index_left_out']}")
     t = Table(title="backends as the router read them", title_justify="left")
     for col in ("pod", "waiting", "running", "kv", "cpu", "mem", "inflight", "health", "history differs"):
         t.add_column(col)
