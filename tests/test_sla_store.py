@@ -208,6 +208,25 @@ def test_minute_rollup_matches_raw_and_stays_exact_on_redelivery(store):
         [r for r in recs + late if r.ts < t0 + 60])
 
 
+def test_minute_refresh_counts_a_part_that_starts_in_the_minutes_last_second(store):
+    """A batch whose first record falls in the last second of a minute: the refresh of that minute
+    must count its records. ClickHouse 26.9 skipped them when the window's end was a DateTime bound
+    (seen in the SLA sink as a rollup short by the records of one batch, 1 run in about 40)."""
+    m = (int(time.time()) // 60 - 30) * 60.0
+    recs = [RequestRecord(request_id=f"r{i}", ts=m + 58.18 + i * 0.01, pool="pool-a", role="pd", model="m")
+            for i in range(400)]  # records 0-181 in minute m, the rest in the next
+    insert(store, recs[:150])
+    insert(store, recs[150:300])  # a second part, starting at m + 59.68
+    Q.refresh_minutes(store, m, m)
+    assert Q.sla_summary_rollup(store, m, m + 60)[0]["requests"] == 182
+    insert(store, recs[300:])
+    insert(store, recs[:150])  # redelivered: duplicates in a part of their own
+    Q.refresh_minutes(store, m, m)
+    Q.refresh_minutes(store, m + 60, m + 60)
+    assert [r["requests"] for r in Q.sla_summary_rollup(store, m, m + 60)] == [182]
+    assert [r["requests"] for r in Q.sla_summary_rollup(store, m, m + 120)] == [400]
+
+
 def test_latest_minute_refresh_wins_even_if_the_clock_went_back(store):
     t0 = (int(time.time()) // 60 - 30) * 60.0
     recs = records(40, t0, span_s=50)
