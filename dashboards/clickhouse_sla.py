@@ -1,8 +1,10 @@
 """Writes ``dashboards/clickhouse/infernex-sla-stages.json``: SLA per serving stage and the
 planner's replicas, read straight from the SLA history in ClickHouse through Grafana's ClickHouse
 datasource plugin (``grafana-clickhouse-datasource``: targets with ``editorType: sql``,
-``rawSql``, ``format`` 0 = time series / 1 = table, and the plugin's ``$__timeFilter`` /
-``$__timeInterval`` macros).
+``rawSql``, ``format`` 0 = time series / 1 = table, and the plugin's ``$__timeFilter_ms`` /
+``$__timeInterval`` macros). The time columns are ``DateTime64``, so the filter is the ``_ms`` one:
+``$__timeFilter`` bounds them with ``DateTime`` seconds, which ClickHouse 26.9 mis-prunes (rows of a
+part that starts in the last second before the bound are skipped; consumers/sla_queries.py).
 
 Run ``python dashboards/clickhouse_sla.py`` after editing; ``--check`` fails when the JSON is stale.
 tests/test_dashboards_clickhouse.py runs every query against chDB with the macros expanded.
@@ -20,7 +22,7 @@ DS = {"type": "grafana-clickhouse-datasource", "uid": "${datasource}"}
 TS, TABLE = 0, 1
 DB = "${database}"
 POOL = "pool IN (${pool:singlequote})"
-WHERE = f"$__timeFilter(ts) AND {POOL}"
+WHERE = f"$__timeFilter_ms(ts) AND {POOL}"
 
 
 def target(sql: str, fmt: int = TS, ref: str = "A") -> dict:

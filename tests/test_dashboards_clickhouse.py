@@ -40,13 +40,27 @@ def test_targets_follow_the_plugin_json_model():
 
 
 def expand(sql: str, since: float, until: float) -> str:
-    """What Grafana and the plugin make of the macros and variables (pool 'pool-a', 60 s interval)."""
+    """What Grafana and the plugin make of the macros and variables (pool 'pool-a', 60 s interval),
+    in the plugin's documented forms: ``$__timeFilter_ms`` in milliseconds (DateTime64),
+    ``$__timeFilter`` in seconds (DateTime)."""
+    ms = lambda t: int(t * 1000)  # noqa: E731
+    sql = re.sub(r"\$__timeFilter_ms\((\w+)\)",
+                 lambda m: f"{m.group(1)} >= fromUnixTimestamp64Milli({ms(since)}) AND "
+                           f"{m.group(1)} <= fromUnixTimestamp64Milli({ms(until)})", sql)
     sql = re.sub(r"\$__timeFilter\((\w+)\)",
-                 lambda m: f"{m.group(1)} >= toDateTime64({since}, 3, 'UTC') AND {m.group(1)} < toDateTime64({until}, 3, 'UTC')",
-                 sql)
+                 lambda m: f"{m.group(1)} >= toDateTime({int(since)}) AND {m.group(1)} <= toDateTime({int(until)})", sql)
     sql = re.sub(r"\$__timeInterval\((\w+)\)", lambda m: f"toStartOfInterval({m.group(1)}, INTERVAL 60 second)", sql)
     return (sql.replace("${database}", "infernex").replace("${pool:singlequote}", "'pool-a'")
             .replace("${ttft_target}", "1.0").replace("${itl_target}", "0.05"))
+
+
+def test_datetime64_columns_are_filtered_in_milliseconds():
+    """Every time filter is ``$__timeFilter_ms``: the SLA tables' time columns are DateTime64, and a
+    seconds (DateTime) bound on them skips rows on ClickHouse 26.9 (tests/test_sla_store.py)."""
+    b = json.loads(BOARD.read_text())
+    sqls = [t["rawSql"] for p in b["panels"] for t in p["targets"]]
+    assert all("$__timeFilter_ms(" in q for q in sqls)
+    assert not any(re.search(r"\$__timeFilter\(", q) for q in sqls)
 
 
 @pytest.fixture
