@@ -19,9 +19,9 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from schemas import subjects as S
-from streams.kv_keys import KEY_SCHEME
 from schemas.base import SCHEMA_VERSION, Event
 from schemas.records import RequestRecord, RoutingDecision
+from streams.kv_keys import KEY_SCHEME
 
 log = logging.getLogger(__name__)
 
