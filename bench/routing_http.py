@@ -173,14 +173,17 @@ async def main_async(args) -> None:
                 await asyncio.sleep(1.0)  # the cleared caches reach the bus
                 port = free_port()
                 if name.startswith("vllm:"):  # its kv_aware policy reads the engines' own KV events (ZMQ)
-                    cmd = [str(vr_exe), "--host", "127.0.0.1", "--port", str(port), "--policy", name.split(":", 1)[1],
-                           "--worker-urls", *[h.url for h in cluster.engines], "--kv-event-block-size",
-                           str(cluster.engines[0].call(lambda e: e.core.block_size)), "--kv-event-model", MODEL,
+                    policy = name.split(":", 1)[1]
+                    cmd = [str(vr_exe), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                           "--worker-urls", *[h.url for h in cluster.engines],
                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                            "--log-level", "warning"]
-                    for h in cluster.engines:
-                        cmd += ["--kv-event-source", f"{h.url}={h.kv_endpoint}", "--kv-event-replay-source",
-                                f"{h.url}={h.replay_endpoint}"]
+                    if policy == "kv_aware":  # the KV-event flags are refused with any other policy
+                        cmd += ["--kv-event-block-size", str(cluster.engines[0].call(lambda e: e.core.block_size)),
+                                "--kv-event-model", MODEL]
+                        for h in cluster.engines:
+                            cmd += ["--kv-event-source", f"{h.url}={h.kv_endpoint}", "--kv-event-replay-source",
+                                    f"{h.url}={h.replay_endpoint}"]
                 elif name.startswith("sglang:"):
                     cmd = [sg_py, "-m", "sglang_router.launch_router", "--worker-urls", *[h.url for h in cluster.engines],
                            "--policy", name.split(":", 1)[1], "--port", str(port),
