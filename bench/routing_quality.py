@@ -79,7 +79,7 @@ def main() -> None:
           f"{'E2E p50':>8} {'E2E p90':>8} {'err':>4}")
     for prof in profiles:
         q = quality(simulate(rows, prof, fleet, time_scale=args.time_scale, max_output_tokens=args.max_output_tokens,
-                                    metrics_interval_s=args.metrics_interval))
+                             metrics_interval_s=args.metrics_interval))
         ovl = f"{q['overlap']:.3f}" if q["overlap"] is not None else "-"
         print(f"{Path(prof).stem:<22} {q['hit']:6.1%} {ovl:>6} {q['spread']:6.2f} {q['busy_spread'] or 0:6.2f} "
               f"{q['ttft50']:9.3f} {q['ttft90']:9.3f} {q['e2e50']:8.2f} {q['e2e90']:8.2f} {q['errors']:4d}")

@@ -181,18 +181,18 @@ class _InsertThenFail:
         self.store = store
         self.database = store.database
         self.failed = False
-        self.refreshes: list[tuple] = []  # what the sink did, in order (a failure message shows it)
+        self.calls: list[tuple] = []  # inserts and rollup refreshes, in order (a failure message shows them)
 
     def insert_json_each_row(self, table, rows):
         self.store.insert_json_each_row(table, rows)
-        self.refreshes.append(("insert", table, len(rows)))
+        self.calls.append(("insert", table, len(rows)))
         if not self.failed:
             self.failed = True
             raise RuntimeError("connection reset after insert")
 
     def command(self, sql, params=None):
         if "request_minutes" in sql:
-            self.refreshes.append(("refresh", params.get("since"), params.get("until"), params.get("version")))
+            self.calls.append(("refresh", params.get("since"), params.get("until"), params.get("version")))
         return self.store.command(sql, params)
 
     def __getattr__(self, name):
@@ -232,7 +232,7 @@ async def test_insert_that_failed_after_landing_is_redelivered_and_counted_once(
             per_minute = store.rows(f"SELECT toStartOfMinute(ts) AS minute, count() AS n FROM {db}.request_records "
                                     f"FINAL GROUP BY minute ORDER BY minute")
             raise AssertionError(f"{exc}; last seen {seen}; rollup rows {minutes}; records per minute {per_minute}; "
-                                 f"refreshes {flaky.refreshes}") from None
+                                 f"store calls {flaky.calls}") from None
         stop.set()
         await asyncio.wait_for(task, timeout=30)
         assert flaky.failed
