@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from itertools import islice
@@ -273,10 +274,10 @@ _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 _NON_WORD = re.compile(r"[^\w\s]")  # a piece without any of these splits at whitespace exactly as _WORD_RE does
 _CHUNK = 256  # characters per memoized piece (cut at the next whitespace)
-# the compiled path: long text is cut at the next whitespace after every _PIECE characters and each
+# the compiled path: long text is cut at the next space after every _PIECE characters and each
 # piece's ids are memoized (a prompt sharing a prefix with an earlier one, as every turn of a
 # conversation does, runs the kernel over the rest only), up to _PIECE_MEMO_CHARS of text
-_PIECE = 4096
+_PIECE = 2048
 _PIECE_MEMO_CHARS = 16 << 20
 
 
@@ -325,7 +326,7 @@ class SimpleTokenizer:
     memoized (least recently used evicted first); a prompt sharing a prefix with an earlier one re-tokenizes only the rest.
     With numba installed (the router's extra), ASCII text longer than a piece is tokenized by a
     compiled kernel instead (:mod:`simulator.tokenizer_kernel`, the same ids, about 3.5x less CPU on
-    the trace's prompts: bench/tokenizer_trace.py), in memoized 4k-character pieces when it is long.
+    the trace's prompts: bench/tokenizer_trace.py), in memoized 2k-character pieces when it is long.
     """
 
     RESERVED = 16  # ids below this are never produced from text
@@ -338,7 +339,8 @@ class SimpleTokenizer:
         self._memo: dict[str, list[int]] = {}
         self._memo_max = memo_pieces
         self._words: dict[str, int] = {}
-        self._pieces: dict[str, np.ndarray] = {}  # the compiled path's memo (uint32 ids per piece)
+        # the compiled path's memo: piece hash -> (uint32 ids, characters), least recently used first
+        self._pieces: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
         self._pieces_chars = 0
         self._pieces_max = _PIECE_MEMO_CHARS
 
@@ -416,29 +418,60 @@ class SimpleTokenizer:
         return out[:k]
 
     def _encode_compiled(self, text: str, dtype: type = np.int64) -> np.ndarray | None:
-        """ASCII text through the compiled kernel, or None without numba. Text longer than two
-        pieces goes piece by piece (cut at whitespace, which no token spans), each piece's ids
-        memoized, so a shared prefix is not tokenized again."""
+        """ASCII text through the compiled kernel, or None without numba. Text of two pieces or
+        more is cut just before a space after every :data:`_PIECE` characters (no token spans
+        whitespace) and each piece's ids are memoized, keyed by a 128-bit hash of its bytes: a
+        prompt sharing a prefix with an earlier one takes the pieces it holds from the memo and
+        runs the kernel once over the rest, where it also marks the pieces' edges."""
         kernel = _ascii_kernel()
         if kernel is None:
             return None
         n = len(text)
         if n < 2 * _PIECE:
             return self._kernel_pass(kernel, text, dtype)
+        b = text.encode("ascii")
+        find = b.find
+        bounds = [0]
+        s = 0
+        while (c := find(b" ", s + _PIECE)) >= 0:
+            bounds.append(c)
+            s = c
+        bounds.append(n)
+        mv = memoryview(b)
+        h = xxhash.xxh3_128_intdigest
+        keys = [h(mv[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
         memo = self._pieces
         parts = []
-        for piece in _cut(text, _PIECE):
-            ids = memo.pop(piece, None)
-            if ids is None:
-                ids = self._kernel_pass(kernel, piece, np.uint32)
-                self._pieces_chars += len(piece)
-                while self._pieces_chars > self._pieces_max and memo:  # the least recently used first
-                    self._pieces_chars -= len(old := next(iter(memo)))
-                    del memo[old]
-            memo[piece] = ids  # most recently used last
-            parts.append(ids)
-        out = np.concatenate(parts)
+        i = 0
+        for key in keys:  # the pieces held, from the start (a prompt diverges from an earlier one once)
+            held = memo.get(key)
+            if held is None:
+                break
+            memo.move_to_end(key)
+            parts.append(held[0])
+            i += 1
+        if i < len(keys):
+            out, marks = self._kernel_marks(kernel, b, bounds[i], bounds[i + 1:-1])
+            edges = [0, *marks, len(out)]
+            for j in range(i, len(keys)):
+                old = memo.pop(keys[j], None)  # (a piece repeated within the text)
+                if old is not None:
+                    self._pieces_chars -= old[1]
+                memo[keys[j]] = (out[edges[j - i]:edges[j - i + 1]], bounds[j + 1] - bounds[j])  # views of out
+                self._pieces_chars += bounds[j + 1] - bounds[j]
+            while self._pieces_chars > self._pieces_max and len(memo) > 1:  # the least recently used first
+                self._pieces_chars -= memo.popitem(last=False)[1][1]
+            parts.append(out)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return out if dtype is np.uint32 else out.astype(dtype)
+
+    def _kernel_marks(self, kernel: Any, b: bytes, start: int, cuts: list[int]) -> tuple[np.ndarray, list[int]]:
+        """Ids of ``b[start:]`` (uint32) and, per offset in ``cuts``, how many come before it."""
+        out = np.empty(len(b) - start, dtype=np.uint32)
+        marks = np.empty(len(cuts), dtype=np.int64)
+        k = kernel.encode_ascii_marks(np.frombuffer(b, dtype=np.uint8), start, _syllable_table(), len(_SYLLABLES),
+                                      self.RESERVED, self.vocab_size, out, np.array(cuts, dtype=np.int64), marks)
+        return out[:k], marks.tolist()
 
     def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
         """:meth:`encode` as a ``uint32`` array (the ids are below :attr:`vocab_size`): what the

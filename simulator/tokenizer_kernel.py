@@ -150,3 +150,38 @@ def encode_ascii(b, syl, nsyl, reserved, vocab_size, out):
             k += 1
             i += 1
     return k
+
+
+@njit(cache=True)
+def encode_ascii_marks(b, start, syl, nsyl, reserved, vocab_size, out, cuts, marks):
+    """:func:`encode_ascii` of ``b[start:]``, also counting, for each offset in ``cuts`` (ascending,
+    each at a whitespace byte, so no token spans it), the ids produced before it into ``marks``."""
+    cls = _CLASS
+    span = vocab_size - reserved
+    n = len(b)
+    k = 0
+    i = start
+    j = 0
+    nc = len(cuts)
+    while i < n:
+        while j < nc and cuts[j] <= i:
+            marks[j] = k
+            j += 1
+        c = cls[b[i]]
+        if c == 2:
+            i += 1
+        elif c == 1:
+            e = i + 1
+            while e < n and cls[b[e]] == 1:
+                e += 1
+            out[k] = _word_id(b, i, e, syl, nsyl, reserved, vocab_size, span)
+            k += 1
+            i = e
+        else:
+            out[k] = _word_id(b, i, i + 1, syl, nsyl, reserved, vocab_size, span)
+            k += 1
+            i += 1
+    while j < nc:
+        marks[j] = k
+        j += 1
+    return k
