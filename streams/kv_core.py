@@ -595,6 +595,71 @@ def _clear_holder_into(kt, em, ex, kt2, em2, ex2, sz, cnt, W, slot, tier):
     return dropped
 
 
+# --------------------------------------------------------------------------- predictions
+# A model's predicted blocks (the router's own routing, until the engines' events say so):
+#   ``pk``  key table ``[key, mask words (W)...]``: the pods predicted to hold each key;
+#   ``pe``  pair table ``[key, slot + 1, expiry]``, the expiry a float64 stored in the row's third
+#           word (``pef`` is a float64 view of the same array, through which it is read and written);
+#   ``psz`` row counts ``[pk, pe]``.
+# A (key, pod) prediction lasts until its expiry; routing the same key to the same pod again
+# moves the expiry later. The caller grows the tables before a record could pass LOAD.
+
+
+@njit(cache=True)
+def pred_record(pk, pe, pef, psz, slot, keys, exp):
+    """Predict that pod ``slot`` holds ``keys`` (non-zero) until ``exp``."""
+    word = 1 + slot // 64
+    if word >= pk.shape[1]:
+        return  # (the caller widens the masks first)
+    bit = U64(1) << U64(slot % 64)
+    b = U64(slot + 1)
+    for j in range(len(keys)):
+        k = keys[j]
+        r = _kt_find_or_insert(pk, psz, k)
+        pk[r, word] |= bit
+        i = _p_find(pe, k, b)
+        if i < 0:
+            _p_put(pe, k, b, U64(0))
+            psz[1] += 1
+            i = _p_find(pe, k, b)
+            pef[i, 2] = exp
+        elif pef[i, 2] < exp:
+            pef[i, 2] = exp
+
+
+@njit(cache=True)
+def pred_expire(pk, pe, pef, psz, W, slot, keys, now, force):
+    """Drop pod ``slot``'s predictions of ``keys`` that expired by ``now`` (all of them with
+    ``force``); returns how many were dropped."""
+    word = 1 + slot // 64
+    n = 0
+    if word >= pk.shape[1]:
+        return n
+    nb = ~(U64(1) << U64(slot % 64))
+    b = U64(slot + 1)
+    for j in range(len(keys)):
+        k = keys[j]
+        i = _p_find(pe, k, b)
+        if i < 0:
+            continue
+        if not force and pef[i, 2] > now:
+            continue
+        _p_delete(pe, psz, 1, i)
+        n += 1
+        r = _kt_find(pk, k)
+        if r < 0:
+            continue
+        pk[r, word] &= nb
+        empty = True
+        for c in range(1, 1 + W):
+            if pk[r, c] != U64(0):
+                empty = False
+                break
+        if empty:
+            _kt_delete(pk, psz, r)
+    return n
+
+
 # ------------------------------------------------------------------------------- queries
 
 
@@ -623,9 +688,9 @@ def _ctz(low):
 
 
 @njit(cache=True)
-def query(kt, W, keys, allowed, pred, torder, matched, tiers):
+def query(kt, W, keys, allowed, pk, torder, matched, tiers):
     """Walk ``keys`` while some allowed pod holds every block so far (exact in any tier, or
-    predicted when ``pred`` has a row per key). ``matched[slot]`` gets the pod's matched
+    predicted in the prediction key table ``pk``, which may have no rows). ``matched[slot]`` gets the pod's matched
     prefix length. With ``tiers`` of shape (slots, T + 1) (multi-tier or predictions), each
     matched block is also counted under the best category that holds it for that pod:
     tiers in ``torder``, then predicted (column T). Returns the length walked."""
@@ -633,7 +698,7 @@ def query(kt, W, keys, allowed, pred, torder, matched, tiers):
     n = keys.shape[0]
     run = allowed.copy()
     new = np.empty(W, dtype=np.uint64)
-    use_pred = pred.shape[0] > 0
+    use_pred = pk.shape[0] > 0
     detail = tiers.shape[0] > 0
     # the home rows of the next PREFETCH_AHEAD keys are requested ahead of the walk, so their
     # cache misses overlap each other and the work, and a walk that stops early loads no more
@@ -647,14 +712,15 @@ def query(kt, W, keys, allowed, pred, torder, matched, tiers):
             _prefetch_row(kt, np.int64(keys[ahead] & U64(kt_mask)))
             ahead += 1
         ki = _kt_find(kt, keys[i])
+        pi = _kt_find(pk, keys[i]) if use_pred else -1
         anyb = False
         for w in range(W):
             v = U64(0)
             if ki >= 0:
                 for t in range(T):
                     v |= kt[ki, 1 + t * W + w]
-            if use_pred:
-                v |= pred[i, w]
+            if pi >= 0:
+                v |= pk[pi, 1 + w]
             v &= run[w]
             new[w] = v
             if v != U64(0):
@@ -700,8 +766,8 @@ def query(kt, W, keys, allowed, pred, torder, matched, tiers):
 def query_tokens(kt, W, tokens, bs, n, seed, allowed, torder, matched, tiers):
     """:func:`query` over the chained keys of ``tokens``, hashed as the walk goes (no pred)."""
     keys = chain_keys(tokens, bs, n, seed)
-    pred = np.zeros((0, W), dtype=np.uint64)
-    return query(kt, W, keys, allowed, pred, torder, matched, tiers)
+    pk = np.zeros((0, 1 + W), dtype=np.uint64)
+    return query(kt, W, keys, allowed, pk, torder, matched, tiers)
 
 
 @njit(cache=True)

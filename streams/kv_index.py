@@ -59,8 +59,8 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
-from itertools import compress, repeat
-from operator import attrgetter, mul, or_
+from itertools import compress
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 import numpy as np
@@ -142,6 +142,33 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int | None = N
     return out
 
 
+class _NoPredictions(dict):
+    """W -> an empty prediction key table of that width (for queries of a model without predictions)."""
+
+    def __missing__(self, W: int) -> np.ndarray:
+        t = self[W] = np.zeros((0, 1 + W), dtype=np.uint64)
+        return t
+
+
+_NO_PRED = _NoPredictions()
+
+
+def _key_array(keys: Sequence[int]) -> np.ndarray:
+    """Block keys as a uint64 array without zeros (0 marks an empty row in the tables)."""
+    karr = getattr(keys, "array", None) if type(keys) is BlockKeys else None
+    if karr is None:
+        if type(keys) is np.ndarray and keys.dtype == np.uint64:
+            karr = keys
+        else:
+            try:
+                karr = np.frombuffer(array("Q", keys), dtype=np.uint64)
+            except (OverflowError, TypeError):
+                raise ValueError("block keys must be integers in [0, 2**64)") from None
+    if len(karr) and not karr.all():
+        karr = karr[karr != 0]
+    return karr
+
+
 # ------------------------------------------------------------------------------------ results
 class PodMatch(NamedTuple):
     """How much of a query's prefix one pod holds (immutable; a NamedTuple because a query
@@ -211,7 +238,8 @@ class PodInfo:
 class _Model:
     """One model's tables (see :mod:`streams.kv_core`) and its predictions."""
 
-    __slots__ = ("name", "block_size", "tiers", "tidx", "W", "kt", "em", "ex", "sz", "cnt", "pred", "torder")
+    __slots__ = ("name", "block_size", "tiers", "tidx", "W", "kt", "em", "ex", "sz", "cnt", "pk", "pe", "pef", "psz",
+                 "torder")
 
     def __init__(self, name: str, width: int):
         self.name = name
@@ -224,7 +252,12 @@ class _Model:
         self.ex = np.zeros((64, 3), dtype=np.uint64)
         self.sz = np.zeros(3, dtype=np.int64)
         self.cnt = np.zeros((64 * width, 8), dtype=np.int64)
-        self.pred: dict[int, int] = {}  # key -> mask of pods predicted to hold it
+        # predictions (kv_core): pk key -> mask of the pods predicted to hold it; pe (key, slot + 1)
+        # -> expiry (pef: its float64 view); psz their row counts
+        self.pk = np.zeros((256, 1 + width), dtype=np.uint64)
+        self.pe = np.zeros((256, 3), dtype=np.uint64)
+        self.pef = self.pe.view(np.float64)
+        self.psz = np.zeros(2, dtype=np.int64)
         self.torder = np.zeros(0, dtype=np.int64)
 
     @property
@@ -243,6 +276,9 @@ class _Model:
             new[:, 1 + t * W: 1 + t * W + oW] = old[:, 1 + t * oW: 1 + (t + 1) * oW]
         self.kt = new
         if W != oW:
+            pk = np.zeros((self.pk.shape[0], 1 + W), dtype=np.uint64)
+            pk[:, : 1 + oW] = self.pk
+            self.pk = pk
             cnt = np.zeros((64 * W, 8), dtype=np.int64)
             cnt[: self.cnt.shape[0]] = self.cnt
             self.cnt = cnt
@@ -263,6 +299,30 @@ class _Model:
     def widen(self, slot: int) -> None:
         if slot >= 64 * self.W:
             self._relayout(self.T, slot // 64 + 1)
+
+    @property
+    def predicting(self) -> bool:
+        return bool(self.psz[0])
+
+    def reserve_predictions(self, n: int) -> None:
+        """Room for ``n`` more keys and (key, pod) pairs within the load factor."""
+        keys, pairs = self.psz.tolist()
+        cap = self.pk.shape[0]
+        if keys + n > core.LOAD * cap:
+            while keys + n > core.LOAD * cap:
+                cap *= 2
+            self.pk = core.grow_kt(self.pk, cap)
+        cap = self.pe.shape[0]
+        if pairs + n > core.LOAD * cap:
+            while pairs + n > core.LOAD * cap:
+                cap *= 2
+            self.pe = core.grow_pairs(self.pe, cap)
+            self.pef = self.pe.view(np.float64)
+
+    def predicted_by(self, slot: int) -> np.ndarray:
+        """The keys pod ``slot`` is predicted to hold."""
+        pe = self.pe
+        return pe[pe[:, 1] == np.uint64(slot + 1), 0].copy()
 
     def copies(self) -> dict[tuple[int, int], int]:
         """(engine hash, holder + 1) -> extra physical copies, for hashes held more than once."""
@@ -317,7 +377,7 @@ class _Ops:
 
 class _Pod:
     __slots__ = ("name", "slot", "bit", "model", "epoch", "seq", "last_event_ts", "last_seen",
-                 "pred_exp", "pred_max", "exact")
+                 "pred_models", "exact")
 
     def __init__(self, name: str, slot: int):
         self.name = name
@@ -328,8 +388,7 @@ class _Pod:
         self.seq: int | None = None
         self.last_event_ts: float | None = None
         self.last_seen: float | None = None
-        self.pred_exp: dict[str, dict[int, float]] = {}  # model -> key -> expiry
-        self.pred_max = 0.0  # the latest expiry written to pred_exp
+        self.pred_models: set[str] = set()  # models it has predictions under
         self.exact = False  # has sent KV events
 
 
@@ -510,18 +569,12 @@ class KvIndex:
         return int(n)
 
     def _clear_predictions(self, pod: _Pod) -> None:
-        nb = ~pod.bit
-        for model, pe in pod.pred_exp.items():
+        for model in pod.pred_models:
             m = self._models.get(model)
-            if m is None:
+            if m is None or pod.slot >= 64 * m.W:
                 continue
-            for key in pe:
-                v = m.pred.get(key, 0) & nb
-                if v:
-                    m.pred[key] = v
-                else:
-                    m.pred.pop(key, None)
-        pod.pred_exp.clear()
+            core.pred_expire(m.pk, m.pe, m.pef, m.psz, m.W, pod.slot, m.predicted_by(pod.slot), 0.0, True)
+        pod.pred_models.clear()
 
     def remove_pod(self, pod: str) -> None:
         """Forget a pod entirely (exact blocks, predictions, sequence); frees its slot."""
@@ -832,8 +885,8 @@ class KvIndex:
             if bs is None:
                 return  # no block size known (no events, no default): nothing can be keyed
             keys = block_keys(token_ids, bs, lora=lora, salt=salt)
-        keys = list(keys)
-        if not keys:
+        karr = _key_array(keys)
+        if not len(karr):
             return
         now = self.clock.now()
         self._expire(now)
@@ -843,21 +896,11 @@ class KvIndex:
         exp = now + ttl_s
         m = self._model(model)
         m.widen(p.slot)
-        pred = m.pred
-        bit = p.bit
-        pred.update(zip(keys, map(or_, map(pred.get, keys, repeat(0)), repeat(bit))))
-        pe = p.pred_exp.get(model)
-        if pe is None:
-            pe = p.pred_exp[model] = {}
-        if exp >= p.pred_max:  # later than every expiry the pod holds: one bulk update
-            pe.update(zip(keys, repeat(exp)))
-            p.pred_max = exp
-        else:
-            for k in keys:
-                if pe.get(k, 0.0) < exp:
-                    pe[k] = exp
+        m.reserve_predictions(len(karr))
+        core.pred_record(m.pk, m.pe, m.pef, m.psz, p.slot, karr, exp)
+        p.pred_models.add(model)
         self._pred_n += 1
-        heapq.heappush(self._pred_heap, (exp, self._pred_n, pod, model, keys))
+        heapq.heappush(self._pred_heap, (exp, self._pred_n, pod, model, karr))
 
     def _expire(self, now: float) -> None:
         heap = self._pred_heap
@@ -865,21 +908,9 @@ class KvIndex:
             exp, _, podname, model, keys = heapq.heappop(heap)
             p = self._pods.get(podname)
             m = self._models.get(model)
-            if p is None or m is None:
+            if p is None or m is None or model not in p.pred_models:
                 continue
-            pe = p.pred_exp.get(model)
-            if pe is None:
-                continue
-            nb = ~p.bit
-            for k in keys:
-                e = pe.get(k)
-                if e is not None and e <= now:
-                    del pe[k]
-                    v = m.pred.get(k, 0) & nb
-                    if v:
-                        m.pred[k] = v
-                    else:
-                        m.pred.pop(k, None)
+            core.pred_expire(m.pk, m.pe, m.pef, m.psz, m.W, p.slot, keys, now, False)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -940,7 +971,7 @@ class KvIndex:
         if self._pred_heap:
             self._expire(self.clock.now())
         n = len(token_ids) // bs
-        if m.pred or not m.T or n == 0:
+        if m.predicting or not m.T or n == 0:
             return self.match_keys(model, block_keys(token_ids, bs, lora=lora, salt=salt), pods)
         toks = _token_array(token_ids[: n * bs] if len(token_ids) != n * bs else token_ids)
         W = m.W
@@ -968,7 +999,7 @@ class KvIndex:
             return self._empty(pods)
         if self._pred_heap:
             self._expire(self.clock.now())
-        if not m.T and not m.pred:
+        if not m.T and not m.predicting:
             return self._empty(pods)
         karr = getattr(keys, "array", None) if type(keys) is BlockKeys else None
         if karr is None:
@@ -980,21 +1011,12 @@ class KvIndex:
                 except (OverflowError, TypeError):
                     return self._empty(pods)  # not keys of ours: nothing can match
         W = m.W
-        detail = m.multi or bool(m.pred)
-        if m.pred:
-            get = m.pred.get
-            klist = keys if type(keys) is list or type(keys) is BlockKeys else karr.tolist()
-            if W == 1:  # the usual case: one C-level pass
-                pred = np.fromiter(map(get, klist, repeat(0)), dtype=np.uint64, count=len(klist)).reshape(-1, 1)
-            else:
-                full = (1 << (64 * W)) - 1
-                raw = b"".join((get(k, 0) & full).to_bytes(8 * W, "little") for k in klist)
-                pred = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(len(klist), W)
-        else:
-            pred = np.zeros((0, W), dtype=np.uint64)
+        predicting = m.predicting
+        detail = m.multi or predicting
         matched = np.zeros(64 * W, dtype=np.int64)
         tiers = np.zeros((64 * W if detail else 0, m.T + 1), dtype=np.int64)
-        walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), pred, m.torder, matched, tiers)
+        walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), m.pk if predicting else _NO_PRED[W],
+                            m.torder, matched, tiers)
         return self._results(m, walked, matched, tiers, pods)
 
     def _results(self, m: _Model, walked: int, matched: np.ndarray, tiers: np.ndarray,
@@ -1026,6 +1048,14 @@ class KvIndex:
                     out[name] = _new_match((0, 0.0, {}, 0))
         return out
 
+    def _predicted_count(self, p: _Pod) -> int:
+        n = 0
+        for model in p.pred_models:
+            m = self._models.get(model)
+            if m is not None:
+                n += int(np.count_nonzero(m.pe[:, 1] == np.uint64(p.slot + 1)))
+        return n
+
     def pods(self) -> dict[str, PodInfo]:
         now = self.clock.now()
         if self._pred_heap:
@@ -1041,7 +1071,7 @@ class KvIndex:
                 blocks = {t: row[i] for i, t in enumerate(m.tiers) if row[i]}
             out[name] = PodInfo(
                 pod=name, model=p.model, blocks=blocks,
-                predicted_blocks=sum(map(len, p.pred_exp.values())), epoch=p.epoch, seq=p.seq, last_event_ts=p.last_event_ts,
+                predicted_blocks=self._predicted_count(p), epoch=p.epoch, seq=p.seq, last_event_ts=p.last_event_ts,
                 last_seen=p.last_seen, live=live)
         return out
 

@@ -632,3 +632,48 @@ def test_more_than_64_pods_exact_and_predicted():
     assert res["p69"].matched_blocks == 2 and res["p68"].matched_blocks == 1
     idx.remove_pod("p69")
     assert "p69" not in idx.match_tokens("m", toks(1, 2))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 69), st.integers(0, 7), st.integers(1, 40), st.sampled_from([1.0, 5.0, 30.0]),
+                          st.sampled_from([0.0, 0.5, 2.0, 7.0]), st.booleans()), min_size=1, max_size=60))
+def test_predictions_across_many_pods_match_a_reference(ops):
+    """Predictions kept in the compiled tables, against a plain reference of (pod, key) -> latest
+    expiry: up to 70 pods (the masks widen past 64), prompts of up to 40 blocks sharing prefixes
+    (the tables grow), pods removed on the way. Every pod's matched prefix and predicted count
+    equal the reference's."""
+    clock = ManualClock()
+    idx = KvIndex(clock, default_block_size=BS)
+    ref: dict[tuple[str, int], float] = {}
+    prompts = [block_keys(toks(*range(d * 100, d * 100 + 40)), BS) for d in range(8)]
+    for i in range(70):  # every pod gets a slot now, in order: p64..p69 need a second mask word
+        idx.record_route("m", f"p{i}", keys=[10_000 + i], ttl_s=0.5)
+    clock.advance(1.0)
+    for podn, doc, n, ttl, wait, remove in ops:
+        pod = f"p{podn}"
+        if remove and podn % 5 == 0:
+            idx.remove_pod(pod)
+            for k in [k for k in ref if k[0] == pod]:
+                del ref[k]
+        else:
+            keys = prompts[doc][:n]
+            idx.record_route("m", pod, keys=keys, ttl_s=ttl)
+            for k in keys:
+                ref[(pod, k)] = max(ref.get((pod, k), 0.0), clock.now() + ttl)
+        clock.advance(wait)
+        now = clock.now()
+        pods = {p for p, _ in ref}
+        for doc_keys in prompts:
+            m = idx.match_keys("m", doc_keys)
+            for p in pods:
+                live = 0
+                while live < len(doc_keys) and ref.get((p, doc_keys[live]), 0.0) > now:
+                    live += 1
+                got = m[p].matched_blocks if p in m else 0
+                assert got == live, (p, now)
+                if p in m:
+                    assert m[p].predicted_blocks == m[p].matched_blocks
+        info = idx.pods()
+        for p in pods:
+            if p in info:
+                assert info[p].predicted_blocks == sum(1 for (q, _), e in ref.items() if q == p and e > now)
