@@ -2,20 +2,29 @@
 
     PYTHONPATH=. python -P bench/routing_http.py [--trace FILE] [--skip 3000] [--requests 400]
         [--engines 8] [--time-scale 8] [--rounds 2] [-r kv-aware -r kv-aware-prefill -r sglang:cache_aware
-        -r vllm:kv_aware] [--cpu-hog N]
+        -r vllm:kv_aware] [--cpu-hog N] [--engines-in-process]
 
-One process hosts an embedded NATS JetStream, ``--engines`` simulated vLLM engines (their KV events
-go through a KV bridge each, their /metrics through the metrics collector) and the trace client
-(``simulator.workloads.client.replay``, text prompts as a user sends them, open loop at the trace's
-arrival times compressed ``--time-scale`` times, the engines running that much faster). Every
-router runs in its own process against the same engines: ``infernex router`` (strategy name or
-YAML, KV state and load from the bus, tokenizing the text like the engines) and sglang-router
-(``sglang:POLICY``; from a cache venv made by bench/peers.py) and vllm-router (``vllm:POLICY``; its
-binary from the wheel, in a cache venv made by bench/vllm_router_kv.py; ``kv_aware`` subscribes to
-every engine's ZMQ KV events and replay socket itself). Before each run the engines'
-prefix caches are emptied; runs are interleaved, ``--rounds`` times. Reported per run: prefix
-hit rate as the engines count it, request spread (max/mean finished requests per engine), TTFT
-p50/p90, E2E p50 and the decode phase's p50 (E2E - TTFT per request; client side, wall seconds).
+``--engines`` simulated vLLM engines run one OS process each (``infernex sim -n 1``, as a real
+deployment runs one vLLM API server per engine), each with its own HTTP, ZMQ KV-event and replay
+ports. The bench process hosts an embedded NATS JetStream, a KV bridge per engine, the metrics
+collector (the engines' /metrics) and the trace client (``simulator.workloads.client.replay``,
+text prompts as a user sends them, open loop at the trace's arrival times compressed
+``--time-scale`` times, the engines running that much faster). ``--engines-in-process`` runs all
+engines on one asyncio loop in the bench process instead (``SimCluster``, the older layout, for
+comparison): there the engines, the client and the bridges share one GIL, which adds to every
+router's latencies and, under load, makes vllm-router's cache_aware (which renders each request
+on every worker within 1 s) give up its prefix tree on most requests.
+
+Every router runs in its own process against the same engines: ``infernex router`` (strategy
+name or YAML, KV state and load from the bus, tokenizing the text like the engines),
+sglang-router (``sglang:POLICY``; from a cache venv made by bench/peers.py) and vllm-router
+(``vllm:POLICY``; its binary from the wheel, in a cache venv made by bench/vllm_router_kv.py;
+``kv_aware`` subscribes to every engine's ZMQ KV events and replay socket itself). Before each
+run the engines' prefix caches are emptied (``POST /reset_prefix_cache``, which also publishes
+the cleared cache as a KV event); runs are interleaved, ``--rounds`` times. Reported per run:
+prefix hit rate as the engines count it (``vllm:prefix_cache_hits/queries`` on their /metrics),
+request spread (max/mean ``vllm:request_success`` per engine), TTFT p50/p90, E2E p50 and the
+decode phase's p50 (E2E - TTFT per request; client side, wall seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,10 +61,160 @@ def _cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def free_port() -> int:
+_USED_PORTS: set[int] = set()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(pair: bool = False) -> int:
+    """A free local port not handed out before by this bench (``pair``: the next one is free too)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        taken = {port, port + 1} if pair else {port}
+        if taken & _USED_PORTS or (pair and (port >= 65535 or not _bindable(port + 1))):
+            continue
+        _USED_PORTS.update(taken)
+        return port
+
+
+MAX_MODEL_LEN = 262144
+COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+try:  # a child (engine, router, hog) gets SIGTERM when the bench dies without its finally (SIGKILL)
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.prctl  # noqa: B018 - Linux only
+except (OSError, AttributeError):
+    _LIBC = None
+
+
+def _die_with_parent() -> None:
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class EngineProc:
+    """One simulated engine in its own process (``infernex sim -n 1``), as one vLLM API server."""
+
+    engine_id: str  # the pod name the bench gives it (the engine itself calls itself <engine_id>-0)
+    url: str
+    kv_endpoint: str
+    replay_endpoint: str
+    proc: subprocess.Popen
+    log: Path
+
+    def log_tail(self, n: int = 600) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:].strip()
+        except OSError:
+            return ""
+
+
+async def start_engine_procs(n: int, time_scale: float, logdir: Path, out: list[EngineProc],
+                             timeout: float = 120.0) -> None:
+    """Start ``n`` engine processes (appended to ``out`` as they start, for the caller to stop) and
+    wait until each answers /health. Settings come from the defaults only, as the in-process
+    layout's ``EngineConfig(engine_id, served_model_name, max_model_len)`` (no INFERNEX_* variables)."""
+    import httpx
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERNEX_")}
+    env["PYTHONPATH"] = ROOT
+    for i in range(n):
+        port, kv = free_port(), free_port(pair=True)  # replay socket on kv + 1
+        log = logdir / f"engine-e{i}.log"
+        cmd = [sys.executable, "-m", "infernex.cli", "--log-level", "WARNING", "sim", "-n", "1",
+               "--engine-prefix", f"e{i}", "--host", "127.0.0.1", "--base-port", str(port),
+               "--kv-events-port-base", str(kv), "--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+               "--time-scale", repr(float(time_scale))]
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=f, preexec_fn=_die_with_parent if _LIBC is not None else None)
+        out.append(EngineProc(f"e{i}", f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{kv}",
+                              f"tcp://127.0.0.1:{kv + 1}", proc, log))
+
+    async def healthy(e: EngineProc, c: httpx.AsyncClient) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            if e.proc.poll() is not None:
+                raise RuntimeError(f"engine {e.engine_id} exited ({e.proc.returncode}): {e.log_tail()}")
+            try:
+                if (await c.get(e.url + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"engine {e.engine_id} not healthy within {timeout:.0f} s: {e.log_tail()}")
+            await asyncio.sleep(0.3)
+
+    async with httpx.AsyncClient(timeout=2) as c:
+        await asyncio.gather(*(healthy(e, c) for e in out))
+
+
+def stop_engine_procs(procs: list[EngineProc], grace: float = 15.0) -> None:
+    """SIGTERM every engine process, then SIGKILL the ones still running after ``grace`` seconds."""
+    for e in procs:
+        if e.proc.poll() is None:
+            try:
+                e.proc.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+    end = time.monotonic() + grace
+    for e in procs:
+        try:
+            e.proc.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            e.proc.kill()
+            e.proc.wait()
+
+
+async def _scrape(client, url: str):  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = await client.get(url + "/metrics")
+    r.raise_for_status()
+    return [s for fam in text_string_to_metric_families(r.text) for s in fam.samples]
+
+
+async def engine_counters(client, engines) -> dict[str, tuple[float, ...]]:  # noqa: ANN001
+    """Per engine (pod): requests finished, prefix-cache hit tokens, prefix-cache queried tokens."""
+    async def one(e):  # noqa: ANN001, ANN202
+        samples = await _scrape(client, e.url)
+        return e.engine_id, tuple(sum(s.value for s in samples if s.name == k) for k in COUNTERS)
+
+    return dict(await asyncio.gather(*(one(e) for e in engines)))
+
+
+async def engine_block_size(client, engine) -> int:  # noqa: ANN001
+    for s in await _scrape(client, engine.url):
+        if s.name == "vllm:cache_config_info" and "block_size" in s.labels:
+            return int(s.labels["block_size"])
+    raise RuntimeError(f"{engine.url}/metrics has no vllm:cache_config_info")
+
+
+async def reset_prefix_caches(client, engines) -> None:  # noqa: ANN001
+    """vLLM's ``POST /reset_prefix_cache`` on every engine (the simulator publishes AllBlocksCleared);
+    refused (409) while KV blocks are in use: retried a few seconds."""
+    async def one(e):  # noqa: ANN001, ANN202
+        for _ in range(50):
+            r = await client.post(e.url + "/reset_prefix_cache")
+            if r.status_code == 200:
+                return
+            if r.status_code != 409:
+                r.raise_for_status()
+            await asyncio.sleep(0.1)
+        print(f"    {e.engine_id}: prefix cache reset refused (KV blocks in use), run starts warm")
+
+    await asyncio.gather(*(one(e) for e in engines))
 
 
 def _bench_module(name: str):
@@ -90,6 +250,7 @@ def pct(xs, p):
 
 
 async def main_async(args) -> None:
+    import httpx
     from prometheus_client import CollectorRegistry
 
     from consumers import bus
@@ -126,13 +287,19 @@ async def main_async(args) -> None:
             routers = [r for r in routers if not r.startswith("sglang:")]
         else:
             print(f"sglang-router {peers.peer_version(sg_py, 'sglang-router')} ({sg_py})")
-    print(f"{args.trace.name} rows {args.skip}-{args.skip + len(rows)}, {args.engines} engines, time x{args.time_scale:g}, "
-          f"output <= {args.max_output_tokens} tokens; load average {os.getloadavg()[0]:.2f}")
+    layout = "in one process, the bench's" if args.engines_in_process else "one process each"
+    print(f"{args.trace.name} rows {args.skip}-{args.skip + len(rows)}, {args.engines} engines (engines: {layout}), "
+          f"time x{args.time_scale:g}, output <= {args.max_output_tokens} tokens; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    # SIGTERM: cancel this task, so the finally below stops every process this bench started
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     tmp = Path(tempfile.mkdtemp(prefix="routing-http-"))
     server = EmbeddedNats(tmp / "nats")
     stop = asyncio.Event()
     tasks: list[asyncio.Task] = []
     cluster = None
+    engine_procs: list[EngineProc] = []
+    ctl = httpx.AsyncClient(timeout=10)  # the bench's own calls to the engines (reset, counters)
     nc = None
     results: dict[str, list[dict]] = {r: [] for r in routers}
     hogs: list[subprocess.Popen] = []
@@ -143,10 +310,17 @@ async def main_async(args) -> None:
         js = nc.jetstream()
         topo = build_topology()
         await bus.apply_topology(js, topo)
-        base = dict(served_model_name=MODEL, max_model_len=262144)
-        cluster = SimCluster([EngineSpec(EngineConfig(engine_id=f"e{i}", **base)) for i in range(args.engines)],
-                             time_scale=args.time_scale).start()
-        for h in cluster.engines:
+        if args.engines_in_process:
+            base = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN)
+            cluster = SimCluster([EngineSpec(EngineConfig(engine_id=f"e{i}", **base)) for i in range(args.engines)],
+                                 time_scale=args.time_scale).start()
+            engines = list(cluster.engines)
+        else:
+            t_start = time.monotonic()
+            await start_engine_procs(args.engines, args.time_scale, tmp, engine_procs)
+            engines = engine_procs
+            print(f"{len(engines)} engine processes up in {time.monotonic() - t_start:.1f}s")
+        for h in engines:
             bcfg = BridgeConfig(endpoint=h.kv_endpoint, replay_endpoint=h.replay_endpoint, pod=h.engine_id,
                                 model=MODEL, recover=False, backfill=False)
             subject = S.kv_events(MODEL, h.engine_id)
@@ -154,59 +328,58 @@ async def main_async(args) -> None:
             bridge = KvBridge(bcfg, nc, registry=None, stream=spec.name if spec else None)
             tasks.append(asyncio.create_task(bridge.run(stop)))
         targets = [Target(url=f"{h.url}/metrics", pod=h.engine_id, role="aggregated", model=MODEL)
-                   for h in cluster.engines]
+                   for h in engines]
         tasks.append(asyncio.create_task(MetricsCollector(targets, js, registry=CollectorRegistry()).run(stop, 0.5)))
-
-        def stats():
-            return {h.engine_id: h.call(lambda e: (e.core.stats.requests_finished, e.core.stats.prefix_cache_hits,
-                                                   e.core.stats.prefix_cache_queries)) for h in cluster.engines}
+        block_size = await engine_block_size(ctl, engines[0])
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
-        hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hog))
+        hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                     preexec_fn=_die_with_parent if _LIBC is not None else None)
+                    for _ in range(args.cpu_hog))
         if hogs:
             print(f"{len(hogs)} CPU hog process(es) running")
         for rnd in range(args.rounds):
             order = routers if rnd % 2 == 0 else list(reversed(routers))
             for name in order:
-                for h in cluster.engines:
-                    h.call(lambda e: (e.core.reset_prefix_cache(), e._flush_events(e.core.take_pending_events())))
+                await reset_prefix_caches(ctl, engines)
                 await asyncio.sleep(1.0)  # the cleared caches reach the bus
                 port = free_port()
                 if name.startswith("vllm:"):  # its kv_aware policy reads the engines' own KV events (ZMQ)
                     policy = name.split(":", 1)[1]
                     cmd = [str(vr_exe), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                           "--worker-urls", *[h.url for h in cluster.engines],
+                           "--worker-urls", *[h.url for h in engines],
                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                            "--log-level", "warning"]
                     if policy == "kv_aware":  # the KV-event flags are refused with any other policy
-                        cmd += ["--kv-event-block-size", str(cluster.engines[0].call(lambda e: e.core.block_size)),
+                        cmd += ["--kv-event-block-size", str(block_size),
                                 "--kv-event-model", MODEL]
-                        for h in cluster.engines:
+                        for h in engines:
                             cmd += ["--kv-event-source", f"{h.url}={h.kv_endpoint}", "--kv-event-replay-source",
                                     f"{h.url}={h.replay_endpoint}"]
                 elif name.startswith("sglang:"):
-                    cmd = [sg_py, "-m", "sglang_router.launch_router", "--worker-urls", *[h.url for h in cluster.engines],
+                    cmd = [sg_py, "-m", "sglang_router.launch_router", "--worker-urls", *[h.url for h in engines],
                            "--policy", name.split(":", 1)[1], "--port", str(port),
                            "--prometheus-port", str(free_port()), "--log-level", "warn"]
                 else:
                     cmd = [sys.executable, "-m", "infernex.cli", "router", "--port", str(port), "--profile", name,
                            "--tokenizer", "simple"]
-                    for h in cluster.engines:
+                    for h in engines:
                         cmd += ["-b", f"{h.engine_id}={h.url}@{MODEL}"]
                 if args.nice:
                     cmd = ["nice", "-n", str(args.nice), *cmd]
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent if _LIBC is not None else None)
                 try:
                     url = f"http://127.0.0.1:{port}"
                     await wait_ready(url)
                     await asyncio.sleep(1.5)  # load state from the metrics collector
-                    s0 = stats()
+                    s0 = await engine_counters(ctl, engines)
                     cpu0 = _cpu_seconds(proc.pid)  # start-up (imports, JIT warm-up) left out
                     t = time.monotonic()
                     res = await replay(rows, url, model=MODEL, time_scale=1.0 / args.time_scale, prompt_mode="text",
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
-                    s1 = stats()
+                    s1 = await engine_counters(ctl, engines)
                     cpu = _cpu_seconds(proc.pid) - cpu0
                 finally:
                     proc.send_signal(signal.SIGTERM)
@@ -255,18 +428,25 @@ async def main_async(args) -> None:
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.2f}s (decode {med('decode50'):.3f}s)  "
                   f"router CPU {med('cpu_ms_per_req'):.2f} ms/req")
     finally:
-        for h in hogs:
-            h.kill()
-        stop.set()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if nc is not None:
-            await nc.close()
-        if cluster is not None:
-            cluster.stop()
-        server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            for h in hogs:
+                h.kill()
+                h.wait()
+            stop.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await ctl.aclose()
+            if nc is not None:
+                await nc.close()
+        finally:
+            try:
+                if cluster is not None:
+                    cluster.stop()
+            finally:
+                stop_engine_procs(engine_procs)
+                server.stop()
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -282,13 +462,20 @@ def main() -> None:
     ap.add_argument("--cpu-hog", type=int, default=0,
                     help="processes spinning on the CPU during every run (a busy machine, the same for every router)")
     ap.add_argument("--nice", type=int, default=0,
-                    help="run every router under this niceness (the engines run in this process on the same "
-                         "cores: shows how much a router's own CPU slows them)")
+                    help="run every router under this niceness (the engines share the same cores: shows how "
+                         "much a router's own CPU slows them)")
+    ap.add_argument("--engines-in-process", action="store_true",
+                    help="run all engines on one asyncio loop in the bench process (SimCluster, with the client, "
+                         "KV bridges and collector) instead of one process per engine: the older layout")
     ap.add_argument("--out", type=Path, default=None,
                     help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,
                     help="infernex strategy (name or YAML), sglang:POLICY or vllm:POLICY; repeat")
-    asyncio.run(main_async(ap.parse_args()))
+    try:
+        asyncio.run(main_async(ap.parse_args()))
+    except asyncio.CancelledError:  # SIGTERM: the engines and routers are stopped by then
+        print("stopped (SIGTERM)", file=sys.stderr)
+        sys.exit(143)
 
 
 if __name__ == "__main__":
