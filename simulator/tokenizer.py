@@ -316,6 +316,7 @@ def warm_up() -> None:
     if _ascii_kernel() is not None:
         SimpleTokenizer().encode("bada " * (_CHUNK // 4))
         SimpleTokenizer().encode_array("bada " * (_CHUNK // 4))  # (the router's uint32 specialization)
+        SimpleTokenizer().encode_array("bada " * (_PIECE // 2))  # (long text: memoized pieces)
 
 
 class SimpleTokenizer:

@@ -1172,7 +1172,8 @@ def warm_up() -> None:
     services call this at start so the first event or request does not pay it."""
     from schemas.kv import BlockStored as _S
 
-    idx = KvIndex(ManualClock(), default_block_size=2)
+    clock = ManualClock()
+    idx = KvIndex(clock, default_block_size=2)
     toks = list(range(8))
     idx.apply_many([KvEventBatch.model_construct(
         schema_version=1, pod="w", model="w", dp_rank=0, epoch=0, seq=0, ts=0.0, events=[
@@ -1184,6 +1185,10 @@ def warm_up() -> None:
     idx.match_keys("w", block_keys(toks, 2))
     idx.record_route("w", "x", token_ids=toks)
     idx.match_keys("w", block_keys(toks, 2))
+    clock.advance(idx.predicted_ttl_s + 1)  # the predictions expire
+    idx.match_keys("w", block_keys(toks, 2))
+    idx.record_route("w", "x", token_ids=toks)
+    idx.remove_pod("x")  # (and are cleared with their pod)
     idx.keys_of("w", [1])
     idx.apply_many([KvEventBatch.model_construct(schema_version=1, pod="w", model="w", dp_rank=0, epoch=0, seq=1,
                                                  ts=0.0, events=[PodReset()])])
