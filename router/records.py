@@ -95,7 +95,7 @@ def strategy_settings(strategy) -> dict[str, Any]:
 
 def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], list[tuple]], now: float,
                     block_size: int, overlap: dict[str, int], predicted: dict[str, int] | None = None,
-                    prompt_keys: list[int] | None = None) -> dict[str, Any]:
+                    prompt_keys: Sequence[int] | None = None) -> dict[str, Any]:
     """A :class:`schemas.records.DecisionInputs` mapping from what :meth:`router.core.Router.decide`
     read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form.
     ``prompt_keys``: the whole prompt's block keys at ``block_size`` when already hashed."""
@@ -104,7 +104,8 @@ def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], 
     keys = None
     ids = request.token_ids
     if prompt_keys is not None and ids is not None and len(ids) > 1:
-        keys = list(prompt_keys[: (len(ids) - 1) // block_size])  # at most len-1 tokens, as the router reads
+        keys = prompt_keys[: (len(ids) - 1) // block_size]  # at most len-1 tokens, as the router reads
+        keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
     elif ids is not None and len(ids) > 1 and block_size > 0:
         from streams.kv_index import block_keys
         from streams.kv_keys import request_salt

@@ -106,7 +106,7 @@ class _Flow:
     decode_pod: str | None = None
     decision: Decision | None = None
     captured: tuple | None = None  # (backends, now) the last decision read, for its record
-    keys: tuple[int, list[int]] | None = None  # (block size, the whole prompt's block keys), hashed once
+    keys: tuple[int, Any] | None = None  # (block size, the whole prompt's block keys: uint64 array), hashed once
     status: str = "ok"
     http_status: int = 200
     error: str | None = None
@@ -805,18 +805,18 @@ class RouterService:
                 pass
 
     @staticmethod
-    def _prompt_keys(flow: _Flow, block_size: int | None) -> list[int] | None:
-        """The whole prompt's block keys (under its LoRA adapter and cache salt) at ``block_size``,
-        hashed once per request: the predicted blocks and the decision record both use them."""
+    def _prompt_keys(flow: _Flow, block_size: int | None) -> Any:
+        """The whole prompt's block keys (under its LoRA adapter and cache salt) at ``block_size``, a
+        ``uint64`` array hashed once per request: the predicted blocks and the decision record use them."""
         ids = flow.rreq.token_ids
         if ids is None or not len(ids) or not block_size:
             return None
         if flow.keys is None or flow.keys[0] != block_size:
-            from streams.kv_index import block_keys  # (the index module: loaded with the index)
+            from streams.kv_index import block_key_array  # (the index module: loaded with the index)
             from streams.kv_keys import request_salt
 
             r = flow.rreq
-            flow.keys = (block_size, block_keys(ids, block_size, lora=r.lora, salt=request_salt(r.cache_salt)))
+            flow.keys = (block_size, block_key_array(ids, block_size, lora=r.lora, salt=request_salt(r.cache_salt)))
         return flow.keys[1]
 
     async def _prefill(self, flow: _Flow, pb: BackendState, body: dict[str, Any]) -> dict | None:

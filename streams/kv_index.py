@@ -129,17 +129,24 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int | None = N
     of ``lora``. A trailing partial block is ignored. Equal prefixes give equal keys in every
     process; keys are never 0.
     """
+    arr = block_key_array(token_ids, block_size, parent, lora=lora, salt=salt)
+    out = BlockKeys(arr.tolist())
+    out.array = arr
+    return out
+
+
+def block_key_array(token_ids: Sequence[int], block_size: int, parent: int | None = None,
+                    *, lora: int | str | None = None, salt: int = 0) -> np.ndarray:
+    """:func:`block_keys` as a ``uint64`` array only (no Python int per key): what the router's
+    hot path hashes a prompt into, queries and predicts with."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     n = len(token_ids) // block_size
     if n == 0:
-        return []
+        return np.zeros(0, dtype=np.uint64)
     toks = _token_array(token_ids[: n * block_size] if len(token_ids) != n * block_size else token_ids)
     seed = (root_seed(lora) if parent is None else parent) ^ salt  # salt: the first block's (cache_salt)
-    arr = core.chain_keys(toks, block_size, n, np.uint64(seed))
-    out = BlockKeys(arr.tolist())
-    out.array = arr
-    return out
+    return core.chain_keys(toks, block_size, n, np.uint64(seed))
 
 
 class _NoPredictions(dict):
