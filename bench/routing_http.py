@@ -121,10 +121,11 @@ class EngineProc:
 
 
 async def start_engine_procs(n: int, time_scale: float, logdir: Path, out: list[EngineProc],
-                             timeout: float = 120.0) -> None:
+                             timeout: float = 120.0, extra: tuple[str, ...] = ()) -> None:
     """Start ``n`` engine processes (appended to ``out`` as they start, for the caller to stop) and
     wait until each answers /health. Settings come from the defaults only, as the in-process
-    layout's ``EngineConfig(engine_id, served_model_name, max_model_len)`` (no INFERNEX_* variables)."""
+    layout's ``EngineConfig(engine_id, served_model_name, max_model_len)`` (no INFERNEX_* variables),
+    plus ``extra`` arguments to ``infernex sim``."""
     import httpx
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERNEX_")}
@@ -135,7 +136,7 @@ async def start_engine_procs(n: int, time_scale: float, logdir: Path, out: list[
         cmd = [sys.executable, "-m", "infernex.cli", "--log-level", "WARNING", "sim", "-n", "1",
                "--engine-prefix", f"e{i}", "--host", "127.0.0.1", "--base-port", str(port),
                "--kv-events-port-base", str(kv), "--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-               "--time-scale", repr(float(time_scale))]
+               "--time-scale", repr(float(time_scale)), *extra]
         with open(log, "wb") as f:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=f, preexec_fn=_die_with_parent if _LIBC is not None else None)

@@ -17,12 +17,23 @@ runs it) the floor assumes the best case on every count:
 Every request's TTFT under any router is at least its floor, so every percentile of the measured
 TTFTs is at least the same percentile of the floors: the p90 floor bounds what a TTFT p90 goal can
 ask of a router on this slice.
+
+``--live`` also measures that best case on the live setup: one engine process started as
+bench/routing_http.py starts them (``infernex sim -n 1``, same time scale), with a KV cache large
+enough to hold the whole slice, gets every request of the slice alone and in order (the next one
+after the previous finished: an idle engine at each arrival, every earlier prompt cached), as text
+over HTTP from the same replay client, no router. Its TTFTs add what no placement removes: the
+client, HTTP, the engine's tokenizer and event loop, and this machine's scheduling.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
 import statistics
+import sys
+import tempfile
 from pathlib import Path
 
 from simulator.config import EngineConfig
@@ -69,12 +80,39 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * p / 100))]
 
 
+async def live_ttfts(rows, time_scale: float) -> tuple[list[float | None], int, int]:
+    """Per request, in order: its TTFT (wall s) sent alone to an idle engine holding every earlier
+    prompt (None where it failed); and the prompt tokens the engine reported cached, of all."""
+    from simulator.workloads.client import replay
+
+    spec = importlib.util.spec_from_file_location("routing_http", ROOT / "bench" / "routing_http.py")
+    rh = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+    spec.loader.exec_module(rh)
+    distinct = len({h for r in rows for h in r.hash_ids})
+    blocks = distinct * (TRACE_BLOCK // 16) * 2 + 4096  # the whole slice twice over at 16 tokens a block
+    procs: list = []
+    with tempfile.TemporaryDirectory(prefix="ttft-floor-") as tmp:
+        try:
+            await rh.start_engine_procs(1, time_scale, Path(tmp), procs, extra=("--num-gpu-blocks", str(blocks)))
+            t0 = rows[0].timestamp
+            res = await replay([type(r)(timestamp=r.timestamp - t0, input_length=r.input_length,
+                                        output_length=1, hash_ids=r.hash_ids) for r in rows],
+                               procs[0].url, model=rh.MODEL, time_scale=0.0, concurrency=1, prompt_mode="text",
+                               timeout_s=300)
+        finally:
+            rh.stop_engine_procs(procs)
+    by_id = {r.index: (r.ttft_s if r.status == "ok" else None) for r in res.requests}
+    cached = sum(r.cached_tokens or 0 for r in res.requests)
+    return [by_id.get(i) for i in range(len(rows))], cached, sum(r.prompt_tokens for r in res.requests)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"))
     ap.add_argument("--skip", type=int, default=3000)
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--time-scale", type=float, default=8.0)
+    ap.add_argument("--live", action="store_true", help="also send each request alone to an idle engine process")
     args = ap.parse_args()
     rows = load_trace(args.trace, limit=args.skip + args.requests)[args.skip:]
     core = EngineCore(EngineConfig(engine_id="floor", max_model_len=262144))
@@ -89,6 +127,17 @@ def main() -> None:
     i90 = sorted(range(len(secs)), key=secs.__getitem__)[min(len(secs) - 1, int(len(secs) * 0.9))]
     f, n, c = fl[i90]
     print(f"the p90 request: {n} prompt tokens, {c} cacheable at best, prefill alone {f:.3f} s virtual")
+    if not args.live:
+        return
+    live, hit, total = asyncio.run(live_ttfts(rows, args.time_scale))
+    got = [(x, s) for x, s in zip(live, secs) if x is not None]
+    lx = [x for x, _ in got]
+    over = [x - s for x, s in got]
+    print(f"live best case ({len(got)}/{len(rows)} requests answered; each alone on one idle engine process, "
+          f"over HTTP, no router; the engine served {hit / max(total, 1):.1%} of prompt tokens from cache): TTFT p50 {pct(lx, 50):.3f}  p90 {pct(lx, 90):.3f}  p99 {pct(lx, 99):.3f}  "
+          f"mean {statistics.fmean(lx):.3f}")
+    print(f"live minus floor per request (wall s): p50 {pct(over, 50):.3f}  p90 {pct(over, 90):.3f}  "
+          f"max {max(over):.3f}")
 
 
 if __name__ == "__main__":
