@@ -4,7 +4,8 @@ concurrent clients, and the time of one routing decision.
     /work/venv/bin/python bench/router.py [--backends 64] [--requests 2000] [--concurrency 64]
         [--prompt-chars 7400] [--before-ref main] [--strategies kv-aware] [--peers sglang-router]
 
-``--prompt-chars N`` sends prompts of N characters (from a pool of distinct prompts: one of 8
+``--router-tokenizer PATH`` has our routers tokenize with that ``tokenizer.json`` (the fake
+engines do not care). ``--prompt-chars N`` sends prompts of N characters (from a pool of distinct prompts: one of 8
 shared documents, 80% of the text, then a fresh question; see bench/tokenizer_speed.py) instead
 of the short "hello bench". ``--before-ref REF`` runs the same strategies a second time from the
 code at git REF (extracted with ``git archive``), side by side in the same run. ``--peers`` names
@@ -222,6 +223,8 @@ async def main_async(args):
             for tag, tree in trees:
                 port = free_port()
                 cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
+                if args.router_tokenizer:
+                    cmd += ["--tokenizer", os.path.abspath(args.router_tokenizer)]
                 for i, u in enumerate(urls):
                     cmd += ["-b", f"fake-{i}={u}@m"]
                 contenders.append((f"infernex {strategy}{tag}", cmd, port, tree))
@@ -312,6 +315,9 @@ def main():
     ap.add_argument("--peers", default="", help="peer routers to install in a cache venv, e.g. sglang-router")
     ap.add_argument("--peer-policies", default="round_robin,cache_aware")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved throughput rounds (median)")
+    ap.add_argument("--router-tokenizer", default=None,
+                    help="our routers tokenize with this tokenizer.json (or its folder) instead of the toy one, "
+                         "e.g. tests/fixtures/tokenize")
     ap.add_argument("--baseline", default=None,
                     help="source tree of an earlier version: its router runs in the same rounds ('before ...')")
     args = ap.parse_args()

@@ -13,7 +13,9 @@ prompts:
 * ``SimpleTokenizer after, cold``: a fresh tokenizer per pass (no memo yet), the worst case.
 * ``SimpleTokenizer after, warm``: the steady state of a router (shared prefixes memoized).
 * ``HF tokenizers``: the fixture byte-level BPE (tests/fixtures/tokenize), as ``request_to_ids``
-  calls it (with BOS), and a chat request (template rendered once + encoded).
+  calls it (with BOS), and a chat request (template rendered once + encoded): each prompt encoded
+  whole (as before simulator.piece_memo), then from memoized pieces (prompts with questions not
+  seen before, and the steady state), as a list and as the ``uint32`` array the router asks for.
 """
 
 from __future__ import annotations
@@ -100,13 +102,30 @@ def main() -> None:
     after.encode(prompts[0])
     rows.append(("SimpleTokenizer after, warm (unseen questions)", per_prompt(after.encode, fresh, 1)))
     rows.append(("SimpleTokenizer after, warm (steady state)", per_prompt(after.encode, prompts, args.reps)))
-    hf = HFTokenizer(os.path.join(ROOT, "tests", "fixtures", "tokenize"))
-    rows.append(("HF tokenizers (fixture BPE), completion + BOS",
-                 per_prompt(lambda p: request_to_ids(hf, "completions", {"prompt": p}), prompts, args.reps)))
-    rows.append(("HF tokenizers, chat: template rendered once + encode",
-                 per_prompt(lambda p: request_to_ids(hf, "chat", {"messages": [
-                     {"role": "system", "content": p[:5900]}, {"role": "user", "content": p[5900:]}]}),
-                     prompts, args.reps)))
+    fixture = os.path.join(ROOT, "tests", "fixtures", "tokenize")
+    whole = HFTokenizer(fixture)
+    whole.pieces = None  # every prompt encoded whole (the tokenizer before simulator.piece_memo)
+    hf = HFTokenizer(fixture)
+    assert hf.pieces is not None, hf.pieces_off
+
+    def chat(tok, arr=False):  # arr: a uint32 array, as the router asks (request_to_ids(as_array=True))
+        return lambda p: request_to_ids(tok, "chat", {"messages": [
+            {"role": "system", "content": p[:5900]}, {"role": "user", "content": p[5900:]}]}, as_array=arr)
+
+    def completion(tok, arr=False):
+        return lambda p: request_to_ids(tok, "completions", {"prompt": p}, as_array=arr)
+
+    for p in prompts[:50] + fresh[:50]:
+        assert completion(hf)(p) == completion(whole)(p) and chat(hf)(p) == chat(whole)(p), "HF ids changed"
+    rows.append(("HF tokenizers (fixture BPE), completion + BOS, whole", per_prompt(completion(whole), prompts, 1)))
+    rows.append(("HF, memoized pieces, unseen questions", per_prompt(completion(hf), make_prompts(
+        args.prompts, args.chars, seed=3), 1)))
+    rows.append(("HF, memoized pieces, steady state", per_prompt(completion(hf), prompts, args.reps)))
+    rows.append(("HF, memoized pieces, steady state, uint32 array", per_prompt(completion(hf, True), prompts,
+                                                                              args.reps)))
+    rows.append(("HF, chat: template rendered once + encode, whole", per_prompt(chat(whole), prompts, 1)))
+    rows.append(("HF, chat, memoized pieces, steady state, uint32 array", per_prompt(chat(hf, True), prompts,
+                                                                                    args.reps)))
     for name, us in rows:
         print(f"{name:<52} {us:8.1f} us/prompt  {b / us:5.1f}x")
 

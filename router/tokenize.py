@@ -13,6 +13,11 @@ Which tokenizer (the ``tokenizer`` setting):
   per model.
 * a path to a ``tokenizer.json`` (or its directory): that tokenizer for every model.
 * ``simple``: the toy tokenizer (the simulator's default).
+
+Both encode long prompts from memoized pieces, so the shared part of prompts (a system prompt, a
+document, a conversation's earlier turns) is tokenized once: the toy tokenizer always, a
+``tokenizer.json`` where its configuration keeps the ids of pieces joined equal to the whole
+text's (:mod:`simulator.piece_memo`; the log line naming the tokenizer says which).
 * null: no tokenization; the router routes without prefix information.
 
 ``encode`` returns ``None`` when the prompt cannot be tokenized, in which case the router routes
@@ -113,7 +118,9 @@ class PromptEncoder:
             if path is not None:
                 try:
                     tok = load_tokenizer(str(path))
-                    log.info("router tokenizer for model %r: %s", key, path)
+                    off = getattr(tok, "pieces_off", None)
+                    log.info("router tokenizer for model %r: %s (%s)", key, path,
+                             "long prompts from memoized pieces" if off is None else f"whole prompts: {off}")
                 except Exception as exc:  # noqa: BLE001 - a broken file: say so, fall back
                     log.warning("router tokenizer for model %r: cannot read %s (%s)", key, path, exc)
             if tok is None:

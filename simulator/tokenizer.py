@@ -507,9 +507,45 @@ class HFTokenizer:
         self._tok = _HF.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size()
         self.chat_template = load_chat_template(file.parent)
+        # long text from memoized pieces where the tokenizer's configuration allows it
+        # (simulator.piece_memo); ``pieces_off`` says why not otherwise
+        from simulator import piece_memo
+
+        self.pieces: piece_memo.PieceMemo | None = None
+        try:
+            why = piece_memo.piece_safe(piece_memo.load_config(file))
+        except (OSError, ValueError) as exc:
+            why = f"cannot read {file.name}: {exc}"
+        if why is None:
+            memo = piece_memo.PieceMemo(self._encode_batch)
+            if piece_memo.self_check(self._encode_whole, memo):
+                self.pieces = memo
+            else:
+                why = "a sample text encoded in pieces differs from the whole"
+        self.pieces_off = why
+
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=_wants_specials(text, add_special_tokens)).ids
+        specials = _wants_specials(text, add_special_tokens)
+        if self.pieces is not None and len(text) >= 2 * self.pieces.piece:
+            ids = self.pieces.encode(str(text), specials)
+            if ids is not None:
+                return ids.tolist()
+        return self._tok.encode(text, add_special_tokens=specials).ids
+
+    def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        """:meth:`encode` as a ``uint32`` array: what the router hashes into block keys."""
+        specials = _wants_specials(text, add_special_tokens)
+        if self.pieces is not None and len(text) >= 2 * self.pieces.piece:
+            ids = self.pieces.encode(str(text), specials)
+            if ids is not None:
+                return ids
+        return np.array(self._tok.encode(text, add_special_tokens=specials).ids, dtype=np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))

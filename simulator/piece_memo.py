@@ -1,0 +1,179 @@
+"""Memoized pieces of long text for a Hugging Face tokenizer (``tokenizers``' ``tokenizer.json``).
+
+Prompts that a KV-aware router sees share long prefixes (a system prompt, a document, every
+earlier turn of a conversation), and a byte-level BPE tokenizer spends milliseconds on a few
+thousand characters. Here long text is cut into pieces of about :data:`PIECE` characters, each
+piece's ids are kept under a 128-bit hash of its text, and only the pieces not held are encoded
+(in one ``encode_batch`` call).
+
+The ids joined must be the ids of the whole text, so a cut is made only where the tokenizer's
+pre-tokenizer always splits: just before a space that follows an ASCII letter or digit and
+precedes an ASCII letter (``"...word| next"``). Byte-level pre-tokenizers (GPT-2's regex,
+Llama 3's and Qwen's ``Split`` + ``ByteLevel``) end a letter or digit run at a space and start a
+new pre-token with the space and the letters after it, and BPE merges never cross pre-tokens.
+:func:`piece_safe` accepts only such configurations (no normalizer that could join characters
+across the cut, no added token that contains a space); a tokenizer it refuses is used whole, as
+before. :class:`PieceMemo` also compares the joined ids with a whole encoding of a sample text
+when it is built.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+PIECE = 512  # characters per piece, at least (a piece ends at the first safe cut after that)
+MEMO_CHARS = 8 << 20  # text held, in characters, at most (least recently used first out): <= 32 MB of ids
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_LETTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SAFE_NORMALIZERS = {None, "NFC", "NFKC"}  # per character; none reaches across an ASCII space
+
+
+def _pre_tokenizer_ok(pre: Any) -> str | None:
+    """None when ``pre`` (a ``tokenizer.json`` pre_tokenizer) always splits before ``" word"``
+    after a letter or digit; else why not."""
+    if not isinstance(pre, dict):
+        return "no pre-tokenizer"
+    kind = pre.get("type")
+    if kind == "ByteLevel":
+        if not pre.get("use_regex", True):
+            return "ByteLevel without its regex"
+        if pre.get("add_prefix_space"):
+            return "ByteLevel adds a prefix space to each piece"
+        return None
+    if kind == "Sequence":
+        parts = pre.get("pretokenizers") or []
+        splits = [p for p in parts if isinstance(p, dict) and p.get("type") == "Split"]
+        rest = [p for p in parts if not (isinstance(p, dict) and p.get("type") == "Split")]
+        if not splits:
+            return "a pre-tokenizer sequence without a regex split"
+        for p in splits:
+            if p.get("behavior") not in ("Isolated", "Removed") or "Regex" not in (p.get("pattern") or {}):
+                return "a Split that is not an isolating regex"
+        for p in rest:
+            if p.get("type") == "ByteLevel":
+                if p.get("add_prefix_space"):
+                    return "ByteLevel adds a prefix space to each piece"
+            elif p.get("type") != "Digits":
+                return f"pre-tokenizer {p.get('type')!r} in the sequence"
+        return None
+    return f"pre-tokenizer {kind!r}"
+
+
+def piece_safe(config: dict[str, Any]) -> str | None:
+    """None when a tokenizer with this ``tokenizer.json`` content encodes text cut by
+    :func:`cuts` piece by piece into the same ids as whole; else the reason it may not."""
+    model = config.get("model") or {}
+    if model.get("type") != "BPE":
+        return f"model {model.get('type')!r} (only BPE is checked)"
+    if model.get("dropout"):
+        return "BPE dropout (ids are random)"
+    norm = config.get("normalizer")
+    if (norm or {}).get("type") not in _SAFE_NORMALIZERS:
+        return f"normalizer {(norm or {}).get('type')!r}"
+    for tok in config.get("added_tokens") or []:
+        if " " in str(tok.get("content", "")):
+            return f"added token {tok.get('content')!r} contains a space"
+    return _pre_tokenizer_ok(config.get("pre_tokenizer"))
+
+
+def cuts(text: str, size: int = PIECE) -> list[int]:
+    """Offsets where ``text`` is cut: the first safe cut at or after each ``size`` characters
+    from the previous one (a space after an ASCII letter or digit, before an ASCII letter)."""
+    out = []
+    n = len(text)
+    find = text.find
+    s = size
+    while s < n - 1:
+        c = find(" ", s)
+        while c > 0 and c < n - 1 and not (text[c - 1] in _ALNUM and text[c + 1] in _LETTER):
+            c = find(" ", c + 1)
+        if c <= 0 or c >= n - 1:
+            break
+        out.append(c)
+        s = c + size
+    return out
+
+
+class PieceMemo:
+    """Ids of long text from memoized pieces (kept as ``uint32`` arrays). ``encode_batch(texts,
+    add_special_tokens)`` is the tokenizer's own batch encoder returning one id list per text."""
+
+    def __init__(self, encode_batch: Callable[[list[str], bool], list[list[int]]], *, piece: int = PIECE,
+                 max_chars: int = MEMO_CHARS):
+        self._encode_batch = encode_batch
+        self.piece = piece
+        self.max_chars = max_chars
+        self._held: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
+        self._chars = 0
+        self.hits = 0  # pieces taken from the memo
+        self.misses = 0  # pieces encoded
+
+    def encode(self, text: str, add_special_tokens: bool) -> np.ndarray | None:
+        """The ids of ``text`` (``uint32``), or None when it has no cut (encode it whole)."""
+        cs = cuts(text, self.piece)
+        if not cs:
+            return None
+        bounds = [0, *cs, len(text)]
+        pieces = [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+        h = xxhash.xxh3_128_intdigest
+        # the first piece is keyed apart when it carries the tokenizer's special tokens (BOS)
+        keys = [h(p.encode("utf-8", "surrogatepass"), 1 if (i == 0 and add_special_tokens) else 0)
+                for i, p in enumerate(pieces)]
+        held = self._held
+        found: list[np.ndarray | None] = []
+        missing: list[int] = []
+        for i, k in enumerate(keys):
+            v = held.get(k)
+            if v is None:
+                missing.append(i)
+                found.append(None)
+            else:
+                held.move_to_end(k)
+                found.append(v[0])
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            first = missing[0] == 0 and add_special_tokens
+            if first:  # the first piece with the special tokens, the rest without
+                found[0] = np.array(self._encode_batch([pieces[0]], True)[0], dtype=np.uint32)
+            rest = missing[1:] if first else missing
+            if rest:
+                for i, ids in zip(rest, self._encode_batch([pieces[i] for i in rest], False)):
+                    found[i] = np.array(ids, dtype=np.uint32)
+            for i in missing:
+                old = held.pop(keys[i], None)
+                if old is not None:
+                    self._chars -= old[1]
+                held[keys[i]] = (found[i], len(pieces[i]))
+                self._chars += len(pieces[i])
+            while self._chars > self.max_chars and len(held) > 1:
+                self._chars -= held.popitem(last=False)[1][1]
+        return np.concatenate(found)
+
+
+def load_config(file: Path) -> dict[str, Any]:
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+_SAMPLE = ("The quick brown fox jumps over the lazy dog 1234 times; naive cafe, 'quoted' text and "
+           "x = f(y) + 3.14 -- newline\nindented  twice   spaced words, CamelCase and snake_case ids. ")
+
+
+def self_check(encode: Callable[[str, bool], Sequence[int]], memo: PieceMemo) -> bool:
+    """Whether a sample text encoded piece by piece (small pieces, many cuts) gives the ids of
+    the whole text, with and without special tokens."""
+    text = _SAMPLE * 8
+    probe = PieceMemo(memo._encode_batch, piece=37, max_chars=1 << 16)
+    for specials in (True, False):
+        joined = probe.encode(text, specials)
+        if joined is None or joined.tolist() != list(encode(text, specials)):
+            return False
+    return True
