@@ -19,8 +19,10 @@ Every router runs in its own process against the same engines: ``infernex router
 name or YAML, KV state and load from the bus, tokenizing the text like the engines),
 sglang-router (``sglang:POLICY``; from a cache venv made by bench/peers.py) and vllm-router
 (``vllm:POLICY``; its binary from the wheel, in a cache venv made by bench/vllm_router_kv.py;
-``kv_aware`` subscribes to every engine's ZMQ KV events and replay socket itself). Before each
-run the engines' prefix caches are emptied (``POST /reset_prefix_cache``, which also publishes
+``kv_aware`` subscribes to every engine's ZMQ KV events and replay socket itself). Before the
+first run every engine serves a few requests of the rows just before the slice (so the router
+that runs first does not pay the engines' first requests). Before each run the engines' prefix
+caches are emptied (``POST /reset_prefix_cache``, which also publishes
 the cleared cache as a KV event); runs are interleaved, ``--rounds`` times. Reported per run:
 prefix hit rate as the engines count it (``vllm:prefix_cache_hits/queries`` on their /metrics),
 request spread (max/mean ``vllm:request_success`` per engine), TTFT p50/p90, E2E p50 and the
@@ -266,7 +268,11 @@ async def main_async(args) -> None:
     from simulator.workloads.client import replay
     from streams.topology import build_topology, stream_for_subject
 
-    rows = load_trace(args.trace, limit=args.skip + args.requests)[args.skip:]
+    loaded = load_trace(args.trace, limit=args.skip + args.requests)
+    rows = loaded[args.skip:]
+    # the engines' warm-up: rows just before the slice (the slice's own first rows when it starts the trace)
+    warm_rows = [type(r)(timestamp=0.0, input_length=r.input_length, output_length=4, hash_ids=r.hash_ids)
+                 for r in (loaded[max(0, args.skip - 4 * args.engines):args.skip] or rows[:4 * args.engines])]
     t0 = rows[0].timestamp
     rows = [type(r)(timestamp=r.timestamp - t0, input_length=r.input_length,
                     output_length=min(r.output_length, args.max_output_tokens), hash_ids=r.hash_ids) for r in rows]
@@ -339,6 +345,14 @@ async def main_async(args) -> None:
                     for _ in range(args.cpu_hog))
         if hogs:
             print(f"{len(hogs)} CPU hog process(es) running")
+        # Every engine serves a few requests before the first router's run (then the caches are
+        # emptied): the router that goes first in round 1 does not pay the engines' first requests.
+        n = len(engines)
+        t_warm = time.monotonic()
+        warm = await asyncio.gather(*(replay(warm_rows[i::n], h.url, model=MODEL, time_scale=0.0, concurrency=2,
+                                             prompt_mode="text", timeout_s=120) for i, h in enumerate(engines)))
+        print(f"engines warmed up: {sum(r.status == 'ok' for w in warm for r in w.requests)}/{len(warm_rows)} "
+              f"requests in {time.monotonic() - t_warm:.1f}s")
         for rnd in range(args.rounds):
             order = routers if rnd % 2 == 0 else list(reversed(routers))
             for name in order:
