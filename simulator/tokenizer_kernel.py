@@ -129,27 +129,8 @@ def _word_id(b, start, end, syl, nsyl, reserved, vocab_size, span):
 @njit(cache=True)
 def encode_ascii(b, syl, nsyl, reserved, vocab_size, out):
     """Ids of the ASCII bytes ``b`` into ``out`` (at least ``len(b)`` long); returns how many."""
-    cls = _CLASS
-    span = vocab_size - reserved
-    n = len(b)
-    k = 0
-    i = 0
-    while i < n:
-        c = cls[b[i]]
-        if c == 2:
-            i += 1
-        elif c == 1:
-            j = i + 1
-            while j < n and cls[b[j]] == 1:
-                j += 1
-            out[k] = _word_id(b, i, j, syl, nsyl, reserved, vocab_size, span)
-            k += 1
-            i = j
-        else:
-            out[k] = _word_id(b, i, i + 1, syl, nsyl, reserved, vocab_size, span)
-            k += 1
-            i += 1
-    return k
+    none = np.empty(0, dtype=np.int64)
+    return encode_ascii_marks(b, 0, syl, nsyl, reserved, vocab_size, out, none, none)
 
 
 @njit(cache=True)

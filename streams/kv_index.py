@@ -160,17 +160,23 @@ class _NoPredictions(dict):
 _NO_PRED = _NoPredictions()
 
 
+def _as_key_array(keys: Sequence[int]) -> np.ndarray:
+    """Block keys as a uint64 array (the array itself when they are one); ValueError when they
+    are not integers in [0, 2**64)."""
+    karr = getattr(keys, "array", None) if type(keys) is BlockKeys else None
+    if karr is not None:
+        return karr
+    if type(keys) is np.ndarray and keys.dtype == np.uint64:
+        return keys
+    try:
+        return np.frombuffer(array("Q", keys), dtype=np.uint64)
+    except (OverflowError, TypeError):
+        raise ValueError("block keys must be integers in [0, 2**64)") from None
+
+
 def _key_array(keys: Sequence[int]) -> np.ndarray:
     """Block keys as a uint64 array without zeros (0 marks an empty row in the tables)."""
-    karr = getattr(keys, "array", None) if type(keys) is BlockKeys else None
-    if karr is None:
-        if type(keys) is np.ndarray and keys.dtype == np.uint64:
-            karr = keys
-        else:
-            try:
-                karr = np.frombuffer(array("Q", keys), dtype=np.uint64)
-            except (OverflowError, TypeError):
-                raise ValueError("block keys must be integers in [0, 2**64)") from None
+    karr = _as_key_array(keys)
     if len(karr) and not karr.all():
         karr = karr[karr != 0]
     return karr
@@ -1008,15 +1014,10 @@ class KvIndex:
             self._expire(self.clock.now())
         if not m.T and not m.predicting:
             return self._empty(pods)
-        karr = getattr(keys, "array", None) if type(keys) is BlockKeys else None
-        if karr is None:
-            if type(keys) is np.ndarray and keys.dtype == np.uint64:
-                karr = keys
-            else:
-                try:
-                    karr = np.frombuffer(array("Q", keys), dtype=np.uint64)
-                except (OverflowError, TypeError):
-                    return self._empty(pods)  # not keys of ours: nothing can match
+        try:
+            karr = _as_key_array(keys)
+        except ValueError:
+            return self._empty(pods)  # not keys of ours: nothing can match
         W = m.W
         predicting = m.predicting
         detail = m.multi or predicting
