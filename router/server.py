@@ -533,15 +533,16 @@ class RouterService:
 
     def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
         st = self.router.strategy
-        # token ids only when the strategy reads them (prefix overlap, PD decider, buckets)
-        ids = self.encoder.encode(kind, body, as_array=True) if (st.needs_overlap or st.pd) else None
+        lora = body.get("lora") if isinstance(body.get("lora"), str) else None
+        model = body["model"]
+        base = self.state.lora_base(model) if lora is None else None
+        # token ids only when the strategy reads them (prefix overlap, PD decider, buckets); an
+        # adapter's prompt with its base model's tokenizer, as the engine tokenizes it
+        ids = self.encoder.encode(kind, body, as_array=True, base=base) if (st.needs_overlap or st.pd) else None
         if ids is None:
             n = max(1, raw_len // 4) if raw_len else len(str(body.get("messages") or body.get("prompt"))) // 4
         else:
             n = len(ids)
-        lora = body.get("lora") if isinstance(body.get("lora"), str) else None
-        model = body["model"]
-        base = self.state.lora_base(model) if lora is None else None
         if base is not None:  # vLLM selects a LoRA adapter by its name in "model"
             lora = model
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
@@ -1124,8 +1125,9 @@ class RouterService:
             body["add_generation_prompt"] = False
         else:
             # token ids when we can tokenize like the engine (no re-split at the join), else text
-            prompt_ids = self.encoder.encode("completions", flow.body)
-            gen = self.encoder.encode_text(flow.body.get("model"), flow.text) if prompt_ids is not None else None
+            base = self.state.lora_base(flow.body.get("model"))  # an adapter: its base model's tokenizer
+            prompt_ids = self.encoder.encode("completions", flow.body, base=base)
+            gen = self.encoder.encode_text(flow.body.get("model"), flow.text, base) if prompt_ids is not None else None
             p = body.get("prompt")
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
                 p = p[0]

@@ -103,10 +103,14 @@ class PromptEncoder:
     def enabled(self) -> bool:
         return self.spec is not None
 
-    def tokenizer_for(self, model: Any) -> Tokenizer | None:
+    def tokenizer_for(self, model: Any, base: str | None = None) -> Tokenizer | None:
+        """The tokenizer of a served model name. ``base``: the base model when ``model`` names a LoRA
+        adapter; as vLLM, the adapter's own ``tokenizer.json`` when one is on this machine, else the
+        base model's."""
         if self._tok is not None or self.spec is None:
             return self._tok
-        key = model if isinstance(model, str) else ""
+        name = model if isinstance(model, str) else ""
+        key = (name, base) if base else name
         tok = self._per_model.get(key)
         if tok is None and len(self._per_model) >= MAX_MODELS:
             # bounded: names past the first MAX_MODELS (unknown models, clients' typos) share the toy tokenizer
@@ -114,28 +118,32 @@ class PromptEncoder:
                 self._overflow = SimpleTokenizer(self.vocab_size)
             return self._overflow
         if tok is None:
-            path = find_model_tokenizer(key)
-            if path is not None:
+            path = find_model_tokenizer(name)
+            if path is None and base:  # an adapter without a tokenizer of its own: its base model's
+                tok = self.tokenizer_for(base)
+            elif path is not None:
                 try:
                     tok = load_tokenizer(str(path))
                     off = getattr(tok, "pieces_off", None)
-                    log.info("router tokenizer for model %r: %s (%s)", key, path,
+                    log.info("router tokenizer for model %r: %s (%s)", name, path,
                              "long prompts from memoized pieces" if off is None else f"whole prompts: {off}")
                 except Exception as exc:  # noqa: BLE001 - a broken file: say so, fall back
-                    log.warning("router tokenizer for model %r: cannot read %s (%s)", key, path, exc)
+                    log.warning("router tokenizer for model %r: cannot read %s (%s)", name, path, exc)
             if tok is None:
                 log.warning("router tokenizer for model %r: no tokenizer.json on this machine, using the toy "
                             "SimpleTokenizer (prefix matches hold only against engines that use it too); "
-                            "set router.tokenizer to the model's tokenizer.json", key)
+                            "set router.tokenizer to the model's tokenizer.json", name)
                 tok = SimpleTokenizer(self.vocab_size)
             self._per_model[key] = tok
         return tok
 
-    def encode(self, kind: str, body: dict[str, Any], *, as_array: bool = False) -> Sequence[int] | None:
+    def encode(self, kind: str, body: dict[str, Any], *, as_array: bool = False,
+               base: str | None = None) -> Sequence[int] | None:
         """Prompt token ids of an OpenAI request (``kind`` "chat" or "completions"), or ``None``.
-        ``as_array``: a ``uint32`` numpy array when the tokenizer gives one (the toy tokenizer),
-        for the routing path that only hashes them; a list otherwise."""
-        tok = self.tokenizer_for(body.get("model"))
+        ``as_array``: a ``uint32`` numpy array when the tokenizer gives one, for the routing path
+        that only hashes them; a list otherwise. ``base``: the base model when the body's model is a
+        LoRA adapter (see :meth:`tokenizer_for`)."""
+        tok = self.tokenizer_for(body.get("model"), base)
         if tok is None:
             return None
         try:
@@ -143,9 +151,9 @@ class PromptEncoder:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def encode_text(self, model: Any, text: str) -> list[int] | None:
+    def encode_text(self, model: Any, text: str, base: str | None = None) -> list[int] | None:
         """Ids of a piece of text inside a prompt (no special tokens), e.g. generated text."""
-        tok = self.tokenizer_for(model)
+        tok = self.tokenizer_for(model, base)
         if tok is None:
             return None
         try:

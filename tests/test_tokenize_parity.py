@@ -172,3 +172,43 @@ def test_router_block_keys_equal_the_engines(engine, kind, body):
     # matches none of the engine's blocks
     wrong = ids[1:] if kind == "completions" else [BOS] + ids
     assert not set(hasher.external_hashes(wrong)) & cached
+
+
+def test_an_adapter_is_tokenized_with_its_base_models_tokenizer(tmp_path):
+    """vLLM tokenizes a LoRA adapter's prompt with the adapter's own tokenizer when it has one,
+    else with the base model's: the router too (it once took the toy tokenizer for any adapter
+    name, so an adapter's prefixes never matched and its migrated prompts were re-tokenized wrong)."""
+    base = str(FIX)
+    enc = PromptEncoder("auto")
+    body = {"model": "ad1", "prompt": "Paris is the capital of France, and Berlin of Germany."}
+    want = HFTokenizer(FIX).encode(body["prompt"])
+    assert list(enc.encode("completions", body, base=base)) == want
+    assert enc.tokenizer_for("ad1", base) is enc.tokenizer_for(base)  # one tokenizer (and memo) for both
+    assert enc.encode_text("ad1", " more words", base) == HFTokenizer(FIX).encode(" more words", add_special_tokens=False)
+    # not known as an adapter (yet): the toy tokenizer, and the later lookup with a base is not stuck with it
+    assert enc.encode("completions", body) == SimpleTokenizer().encode(body["prompt"])
+    assert list(enc.encode("completions", body, base=base)) == want
+    # an adapter with its own tokenizer.json (its name a local folder, as a LoRA path): that one
+    own = tmp_path / "own-adapter"
+    own.mkdir()
+    (own / "tokenizer.json").write_bytes((FIX / "tokenizer.json").read_bytes())
+    assert enc.tokenizer_for(str(own), base) is not enc.tokenizer_for(base)
+
+
+async def test_the_router_counts_an_adapters_prompt_with_the_base_tokenizer():
+    from router.config import RouterConfig, StaticBackend
+    from router.server import RouterService
+
+    cfg = RouterConfig(backends=[StaticBackend(pod="a", url="http://127.0.0.1:9", model=str(FIX), loras=["ad1"])],
+                       bus=False, records=False, strategy="kv-aware", tokenizer="auto")
+    svc = RouterService(cfg)
+    await svc.start("127.0.0.1", 0)
+    try:
+        prompt = "The router sends each request to the engine that already holds its prefix."
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{svc.url}/v1/router/decide", json={"model": "ad1", "prompt": prompt})
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_tokens"] == len(HFTokenizer(FIX).encode(prompt))
+        assert r.json()["prompt_tokens"] != len(SimpleTokenizer().encode(prompt))
+    finally:
+        await svc.stop()
