@@ -505,6 +505,10 @@ class HFTokenizer:
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         self.path = file
         self._tok = _HF.from_file(str(file))
+        # as transformers calls it for vLLM (no truncation or padding asked): a tokenizer.json's own
+        # truncation and padding settings do not apply to a prompt
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size()
         self.chat_template = load_chat_template(file.parent)
         # long text from memoized pieces where the tokenizer's configuration allows it

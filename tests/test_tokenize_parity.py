@@ -212,3 +212,20 @@ async def test_the_router_counts_an_adapters_prompt_with_the_base_tokenizer():
         assert r.json()["prompt_tokens"] != len(SimpleTokenizer().encode(prompt))
     finally:
         await svc.stop()
+
+
+def test_a_tokenizer_json_s_own_truncation_and_padding_do_not_apply(tmp_path):
+    """transformers turns the backend tokenizer's truncation and padding off for a call that asks
+    for neither, as vLLM's prompt tokenization does: a long prompt keeps every id, a short one gets
+    no padding."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(FIX / "tokenizer.json"))
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(length=64, pad_id=0)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = "Paris is the capital of France, and Berlin is the capital of Germany."
+    want = HFTokenizer(FIX).encode(text)
+    assert len(want) > 8
+    assert HFTokenizer(tmp_path).encode(text) == want
+    assert HFTokenizer(tmp_path).encode("hi") == HFTokenizer(FIX).encode("hi")
