@@ -217,7 +217,8 @@ async def test_the_router_counts_an_adapters_prompt_with_the_base_tokenizer():
 def test_a_tokenizer_json_s_own_truncation_and_padding_do_not_apply(tmp_path):
     """transformers turns the backend tokenizer's truncation and padding off for a call that asks
     for neither, as vLLM's prompt tokenization does: a long prompt keeps every id, a short one gets
-    no padding."""
+    no padding (checked by hand with transformers 5.24.0: AutoTokenizer on this tokenizer.json with
+    truncation at 8 and padding to 64 gives the 16 ids of the plain fixture, and [1, 76, 77] for "hi")."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(FIX / "tokenizer.json"))
