@@ -91,7 +91,8 @@ class PromptEncoder:
         self.spec = spec
         self.vocab_size = vocab_size
         self._tok: Tokenizer | None = None
-        self._per_model: dict[str, Tokenizer] = {}
+        self._per_model: dict[str | tuple[str, str], Tokenizer] = {}
+        self._by_file: dict[Path, Tokenizer] = {}
         self._overflow: Tokenizer | None = None
         if spec is not None and spec != "auto":
             self._tok = load_tokenizer(spec, vocab_size)
@@ -123,7 +124,10 @@ class PromptEncoder:
                 tok = self.tokenizer_for(base)
             elif path is not None:
                 try:
-                    tok = load_tokenizer(str(path))
+                    real = path.resolve()
+                    tok = self._by_file.get(real)  # model names sharing one file share its tokenizer (and memo)
+                    if tok is None:
+                        tok = self._by_file[real] = load_tokenizer(str(path))
                     off = getattr(tok, "pieces_off", None)
                     log.info("router tokenizer for model %r: %s (%s)", name, path,
                              "long prompts from memoized pieces" if off is None else f"whole prompts: {off}")

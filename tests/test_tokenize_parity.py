@@ -230,3 +230,14 @@ def test_a_tokenizer_json_s_own_truncation_and_padding_do_not_apply(tmp_path):
     assert len(want) > 8
     assert HFTokenizer(tmp_path).encode(text) == want
     assert HFTokenizer(tmp_path).encode("hi") == HFTokenizer(FIX).encode("hi")
+
+
+def test_model_names_sharing_a_tokenizer_file_share_one_tokenizer(tmp_path):
+    """`vllm serve /models/x` and a symlink to it, or two names of one folder: one tokenizer and one
+    piece memo, not one per name."""
+    link = tmp_path / "alias"
+    link.symlink_to(FIX, target_is_directory=True)
+    enc = PromptEncoder("auto")
+    a, b = enc.tokenizer_for(str(FIX)), enc.tokenizer_for(str(link))
+    assert isinstance(a, HFTokenizer) and a is b
+    assert enc.tokenizer_for(str(FIX / "tokenizer.json")) is a
