@@ -13,12 +13,12 @@ Which tokenizer (the ``tokenizer`` setting):
   per model.
 * a path to a ``tokenizer.json`` (or its directory): that tokenizer for every model.
 * ``simple``: the toy tokenizer (the simulator's default).
+* null: no tokenization; the router routes without prefix information.
 
-Both encode long prompts from memoized pieces, so the shared part of prompts (a system prompt, a
-document, a conversation's earlier turns) is tokenized once: the toy tokenizer always, a
+Long prompts are encoded from memoized pieces, so the shared part of prompts (a system prompt, a
+document, a conversation's earlier turns) is tokenized once: by the toy tokenizer always, by a
 ``tokenizer.json`` where its configuration keeps the ids of pieces joined equal to the whole
 text's (:mod:`simulator.piece_memo`; the log line naming the tokenizer says which).
-* null: no tokenization; the router routes without prefix information.
 
 ``encode`` returns ``None`` when the prompt cannot be tokenized, in which case the router routes
 without prefix information rather than failing the request.

@@ -534,22 +534,21 @@ class HFTokenizer:
     def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def _from_pieces(self, text: str, specials: bool) -> np.ndarray | None:
+        if self.pieces is None or len(text) < 2 * self.pieces.piece:
+            return None
+        return self.pieces.encode(str(text), specials)
+
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         specials = _wants_specials(text, add_special_tokens)
-        if self.pieces is not None and len(text) >= 2 * self.pieces.piece:
-            ids = self.pieces.encode(str(text), specials)
-            if ids is not None:
-                return ids.tolist()
-        return self._tok.encode(text, add_special_tokens=specials).ids
+        ids = self._from_pieces(text, specials)
+        return ids.tolist() if ids is not None else self._encode_whole(text, specials)
 
     def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
         """:meth:`encode` as a ``uint32`` array: what the router hashes into block keys."""
         specials = _wants_specials(text, add_special_tokens)
-        if self.pieces is not None and len(text) >= 2 * self.pieces.piece:
-            ids = self.pieces.encode(str(text), specials)
-            if ids is not None:
-                return ids
-        return np.array(self._tok.encode(text, add_special_tokens=specials).ids, dtype=np.uint32)
+        ids = self._from_pieces(text, specials)
+        return ids if ids is not None else np.array(self._encode_whole(text, specials), dtype=np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
