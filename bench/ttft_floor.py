@@ -131,11 +131,13 @@ def main() -> None:
         return
     live, hit, total = asyncio.run(live_ttfts(rows, args.time_scale))
     got = [(x, s) for x, s in zip(live, secs) if x is not None]
+    if not got:
+        raise SystemExit("live: no request was answered (see the engine's log above)")
     lx = [x for x, _ in got]
     over = [x - s for x, s in got]
     print(f"live best case ({len(got)}/{len(rows)} requests answered; each alone on one idle engine process, "
-          f"over HTTP, no router; the engine served {hit / max(total, 1):.1%} of prompt tokens from cache): TTFT p50 {pct(lx, 50):.3f}  p90 {pct(lx, 90):.3f}  p99 {pct(lx, 99):.3f}  "
-          f"mean {statistics.fmean(lx):.3f}")
+          f"over HTTP, no router; the engine served {hit / max(total, 1):.1%} of prompt tokens from cache): "
+          f"TTFT p50 {pct(lx, 50):.3f}  p90 {pct(lx, 90):.3f}  p99 {pct(lx, 99):.3f}  mean {statistics.fmean(lx):.3f}")
     print(f"live minus floor per request (wall s): p50 {pct(over, 50):.3f}  p90 {pct(over, 90):.3f}  "
           f"max {max(over):.3f}")
 
