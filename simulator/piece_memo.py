@@ -13,8 +13,8 @@ Llama 3's and Qwen's ``Split`` + ``ByteLevel``) end a letter or digit run at a s
 new pre-token with the space and the letters after it, and BPE merges never cross pre-tokens.
 :func:`piece_safe` accepts only such configurations (no normalizer that could join characters
 across the cut, no added token that contains a space); a tokenizer it refuses is used whole, as
-before. :class:`PieceMemo` also compares the joined ids with a whole encoding of a sample text
-when it is built.
+before. :func:`self_check` also compares the joined ids with a whole encoding of a sample text,
+which the tokenizer runs when it is loaded.
 """
 
 from __future__ import annotations
@@ -167,11 +167,12 @@ _SAMPLE = ("The quick brown fox jumps over the lazy dog 1234 times; naive cafe, 
            "x = f(y) + 3.14 -- newline\nindented  twice   spaced words, CamelCase and snake_case ids. ")
 
 
-def self_check(encode: Callable[[str, bool], Sequence[int]], memo: PieceMemo) -> bool:
-    """Whether a sample text encoded piece by piece (small pieces, many cuts) gives the ids of
-    the whole text, with and without special tokens."""
+def self_check(encode: Callable[[str, bool], Sequence[int]],
+               encode_batch: Callable[[list[str], bool], list[list[int]]]) -> bool:
+    """Whether a sample text encoded piece by piece with ``encode_batch`` (small pieces, many
+    cuts) gives the ids ``encode`` gives the whole text, with and without special tokens."""
     text = _SAMPLE * 8
-    probe = PieceMemo(memo._encode_batch, piece=37, max_chars=1 << 16)
+    probe = PieceMemo(encode_batch, piece=37, max_chars=1 << 16)
     for specials in (True, False):
         joined = probe.encode(text, specials)
         if joined is None or joined.tolist() != list(encode(text, specials)):

@@ -521,9 +521,8 @@ class HFTokenizer:
         except (OSError, ValueError) as exc:
             why = f"cannot read {file.name}: {exc}"
         if why is None:
-            memo = piece_memo.PieceMemo(self._encode_batch)
-            if piece_memo.self_check(self._encode_whole, memo):
-                self.pieces = memo
+            if piece_memo.self_check(self._encode_whole, self._encode_batch):
+                self.pieces = piece_memo.PieceMemo(self._encode_batch)
             else:
                 why = "a sample text encoded in pieces differs from the whole"
         self.pieces_off = why

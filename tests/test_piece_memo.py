@@ -155,9 +155,8 @@ def test_a_tokenizer_whose_pieces_disagree_is_caught_by_the_self_check(fixture_t
     def per_call_marker(texts, specials):  # adds a token at every call: pieces would differ from whole
         return [[7] + fixture_tok._tok.encode(t, add_special_tokens=specials).ids for t in texts]
 
-    memo = piece_memo.PieceMemo(per_call_marker)
-    assert not piece_memo.self_check(fixture_tok._encode_whole, memo)
-    assert piece_memo.self_check(fixture_tok._encode_whole, piece_memo.PieceMemo(fixture_tok._encode_batch))
+    assert not piece_memo.self_check(fixture_tok._encode_whole, per_call_marker)
+    assert piece_memo.self_check(fixture_tok._encode_whole, fixture_tok._encode_batch)
 
 
 def test_the_memo_is_bounded_by_characters(fixture_tok):
