@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from schemas import subjects as S
 from schemas.base import SCHEMA_VERSION, Event
-from schemas.records import RequestRecord, RoutingDecision
+from schemas.records import RequestRecord, RoutingDecision, pack_keys
 from streams.kv_keys import KEY_SCHEME
 
 log = logging.getLogger(__name__)
@@ -97,22 +97,22 @@ def decision_inputs(*, strategy, request, exclude, backends: tuple[list[tuple], 
                     block_size: int, overlap: dict[str, int], predicted: dict[str, int] | None = None,
                     prompt_keys: Sequence[int] | None = None) -> dict[str, Any]:
     """A :class:`schemas.records.DecisionInputs` mapping from what :meth:`router.core.Router.decide`
-    read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form.
+    read (``backends`` from a :class:`BackendCapture`); the backends in the compact columnar form,
+    the prompt's block keys in the packed form (:func:`schemas.records.pack_keys`).
     ``prompt_keys``: the whole prompt's block keys at ``block_size`` when already hashed."""
     static, volatile = backends
     rows = [s + v for s, v in zip(static, volatile)]  # loras stay a frozenset: msgspec writes it as an array
     keys = None
     ids = request.token_ids
     if prompt_keys is not None and ids is not None and len(ids) > 1:
-        keys = prompt_keys[: (len(ids) - 1) // block_size]  # at most len-1 tokens, as the router reads
-        keys = keys.tolist() if hasattr(keys, "tolist") else list(keys)
+        keys = pack_keys(prompt_keys[: (len(ids) - 1) // block_size])  # at most len-1 tokens, as the router reads
     elif ids is not None and len(ids) > 1 and block_size > 0:
         from streams.kv_index import block_keys
         from streams.kv_keys import request_salt
 
         # the prompt's reusable blocks as the index keys them (at most len-1 tokens, as the router reads)
-        keys = list(block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
-                               salt=request_salt(request.cache_salt)))
+        keys = pack_keys(block_keys(ids[: len(ids) - 1], block_size, lora=request.lora,
+                                    salt=request_salt(request.cache_salt)))
     out = {"now": now, "strategy": strategy_settings(strategy), "prompt_tokens": request.prompt_tokens,
             "max_tokens": request.max_tokens, "lora": request.lora, "cache_salt_set": request.cache_salt is not None,
             "index_model": request.index_model, "exclude": sorted(exclude), "block_size": block_size,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import binascii
+import sys
+from array import array
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -13,6 +16,35 @@ RequestRole = Literal["aggregated", "pd"]
 #: decode pod alone (remote prefill skipped: it held the prefix); ``aggregated`` one engine did both
 ServedStage = Literal["aggregated", "pd", "decode"]
 RequestStatus = Literal["ok", "error", "cancelled", "rejected", "timeout"]
+
+
+def pack_keys(keys: Any) -> str:
+    """Block keys (unsigned 64-bit) in the compact wire form of ``DecisionInputs.prefix_keys``:
+    base64 of their little-endian bytes, about half the size of the JSON integers and written
+    without a Python int per key. ``keys``: a sequence of ints or a numpy integer array."""
+    if hasattr(keys, "dtype") and hasattr(keys, "astype"):  # numpy, without importing it here
+        raw = keys.astype("<u8", copy=False).tobytes()
+    else:
+        a = array("Q", keys)
+        if sys.byteorder == "big":
+            a.byteswap()
+        raw = a.tobytes()
+    return binascii.b2a_base64(raw, newline=False).decode("ascii")
+
+
+def unpack_keys(text: str) -> list[int]:
+    """The keys of :func:`pack_keys`; ValueError when ``text`` is not that form."""
+    try:
+        raw = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise ValueError(f"prefix_keys: not base64 ({exc})") from None
+    if len(raw) % 8:
+        raise ValueError(f"prefix_keys: {len(raw)} bytes of base64 is not a whole number of 8-byte keys")
+    a = array("Q")
+    a.frombytes(raw)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
 
 
 class CandidateScore(BaseModel):
@@ -71,12 +103,23 @@ class DecisionInputs(BaseModel):
     overlap: dict[str, int] = Field(default_factory=dict, description="pod -> reusable prefix blocks (KV index)")
     predicted: dict[str, int] = Field(default_factory=dict, description="pod -> of its overlap, the blocks "
                                       "only predicted from the router's own routing (approximate prefix mode)")
-    prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index)")
+    prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index); "
+                                          "on the wire also as a string: base64 of the keys' little-endian "
+                                          "uint64 bytes (schemas.records.pack_keys), the form the router writes",
+                                          json_schema_extra={"anyOf": [
+                                              {"type": "array", "items": {"type": "integer"}},
+                                              {"type": "string", "contentEncoding": "base64"},
+                                              {"type": "null"}]})
     key_scheme: int | None = Field(default=None, description="the block-key function prefix_keys were made with "
                                    "(streams.kv_keys.KEY_SCHEME); absent: a router from before the field, whose keys "
                                    "an index folded today does not share")
     backends: list[BackendInput] = Field(default_factory=list, description="on the wire also the compact form "
                                          "{columns: [field, ...], rows: [[value, ...], ...]}")
+
+    @field_validator("prefix_keys", mode="before")
+    @classmethod
+    def _packed(cls, v: Any) -> Any:
+        return unpack_keys(v) if isinstance(v, str) else v
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from router.records import BACKEND_FIELDS, capture_backends, decision_inputs, st
 from router.types import BackendState, RoutingRequest
 from schemas import subjects as S
 from schemas.kv import BlockStored, KvEventBatch
-from schemas.records import RoutingDecision
+from schemas.records import RoutingDecision, unpack_keys
 from streams.kv_keys import KEY_SCHEME
 
 TOKENS = list(range(1000, 1065))  # 4 full blocks of 16 and one token
@@ -33,7 +33,7 @@ def _decision(**change) -> RoutingDecision:
     inputs = decision_inputs(strategy=load_strategy("kv-aware"), request=req, exclude=set(),
                              backends=capture_backends(backends), now=2.0, block_size=16,
                              overlap={"b": 4})
-    assert inputs["backends"]["columns"] == BACKEND_FIELDS and len(inputs["prefix_keys"]) == 4
+    assert inputs["backends"]["columns"] == BACKEND_FIELDS and len(unpack_keys(inputs["prefix_keys"])) == 4
     inputs.update(change)
     # as the bus carries it (JSON), then read back as replay reads it
     raw = msgspec.json.encode({"request_id": "r1", "ts": 2.0, "pool": "p", "model": "m", "profile": "kv-aware",

@@ -4,6 +4,7 @@ routing, diagnoses -> exclusion, malformed input -> dead letters, records publis
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -16,6 +17,7 @@ from router.testing import FakeEngine, wait_for
 from schemas import BlockStored, DeadLetter, Diagnosis, EngineAnnouncement, KvEventBatch, RequestRecord, RoutingDecision
 from schemas import subjects as S
 from simulator.tokenizer import SimpleTokenizer
+from streams.kv_index import block_keys
 
 PROMPT = " ".join(f"word{i}" for i in range(80))  # 80+ tokens: 5 blocks of 16
 
@@ -107,6 +109,9 @@ async def test_kv_events_steer_prefix_requests_and_diagnosis_excludes(routed, pr
     dec = RoutingDecision.from_json(msg.data)
     await dsub.unsubscribe()
     assert dec.profile == "kv-aware" and dec.picked == "b" and len(dec.candidates) == 3
+    # the prompt's block keys travel packed (base64 of uint64) and read back as the index's own keys
+    assert isinstance(json.loads(msg.data)["inputs"]["prefix_keys"], str)
+    assert dec.inputs.prefix_keys == list(block_keys(ids[: len(ids) - 1], 16)) and len(dec.inputs.prefix_keys) == reusable
 
 
 async def test_bus_metrics_make_backends_busy_and_bad_messages_are_dead_lettered(routed, prefix, nc):
