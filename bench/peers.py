@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = Path(os.environ.get("INFERNEX_BENCH_CACHE", Path.home() / ".cache" / "infernex-bench"))
 
 
@@ -63,3 +64,14 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or ["sglang-router"]:
         p = peer_python(name, "dynamo" if name.startswith("ai-dynamo-runtime") else None)
         print(name, p, p and peer_version(p, name.split("==")[0]))
+
+
+def extract_ref(ref: str) -> str:
+    """The tree of git ``ref`` of this repository in a temporary folder (the repository is not
+    changed): benches run a router from that code beside the current one."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="infernex-ref-")
+    arch = subprocess.run(["git", "-C", ROOT, "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", d], input=arch, check=True)
+    return d

@@ -117,16 +117,6 @@ def _bench_module(name):
     return mod
 
 
-def extract_ref(ref):
-    """The tree of git REF in a temporary folder (no change to the repository)."""
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="infernex-before-")
-    arch = subprocess.run(["git", "-C", ROOT, "archive", ref], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", d], input=arch, check=True)
-    return d
-
-
 async def sequential(urls, n):
     lat = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -218,7 +208,7 @@ async def main_async(args):
         if args.baseline:  # the same router from another source tree, same run
             trees.append((" before", os.path.abspath(args.baseline)))
         if args.before_ref:
-            trees.append((f" @{args.before_ref}", extract_ref(args.before_ref)))
+            trees.append((f" @{args.before_ref}", _bench_module("peers").extract_ref(args.before_ref)))
         for strategy in args.strategies.split(","):
             for tag, tree in trees:
                 port = free_port()

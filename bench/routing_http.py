@@ -340,6 +340,8 @@ async def main_async(args) -> None:
         block_size = await engine_block_size(ctl, engines[0])
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
+        trees = {ref: _peers().extract_ref(ref) for ref in {r.partition("@")[2] for r in routers
+                                                   if "@" in r and not r.startswith(("sglang:", "vllm:"))}}
         hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                      preexec_fn=_die_with_parent if _LIBC is not None else None)
                     for _ in range(args.cpu_hog))
@@ -376,13 +378,16 @@ async def main_async(args) -> None:
                            "--policy", name.split(":", 1)[1], "--port", str(port),
                            "--prometheus-port", str(free_port()), "--log-level", "warn"]
                 else:
-                    cmd = [sys.executable, "-m", "infernex.cli", "router", "--port", str(port), "--profile", name,
+                    strategy, _, ref = name.partition("@")  # NAME@REF: the router from git REF's code
+                    cmd = [sys.executable, "-m", "infernex.cli", "router", "--port", str(port), "--profile", strategy,
                            "--tokenizer", "simple"]
                     for h in engines:
                         cmd += ["-b", f"{h.engine_id}={h.url}@{MODEL}"]
+                tree = trees.get(name.partition("@")[2], ROOT) if not name.startswith(("sglang:", "vllm:")) else ROOT
                 if args.nice:
                     cmd = ["nice", "-n", str(args.nice), *cmd]
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                proc = subprocess.Popen(cmd, cwd=tree, env=dict(env, PYTHONPATH=tree), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL,
                                         preexec_fn=_die_with_parent if _LIBC is not None else None)
                 try:
                     url = f"http://127.0.0.1:{port}"
@@ -485,7 +490,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,
-                    help="infernex strategy (name or YAML), sglang:POLICY or vllm:POLICY; repeat")
+                    help="infernex strategy (name or YAML; NAME@REF runs it from git REF's code, extracted "
+                         "with git archive, in the same interleaved rounds), sglang:POLICY or vllm:POLICY; repeat")
     try:
         asyncio.run(main_async(ap.parse_args()))
     except asyncio.CancelledError:  # SIGTERM: the engines and routers are stopped by then
