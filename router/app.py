@@ -1,4 +1,4 @@
-"""Wiring: the service with its state, embedded KV index, bus feeds, record publisher and
+"""Wiring: the service with its state, embedded KV index, bus feeds, replica sync, record publisher and
 Kubernetes discovery. Used by ``infernex router`` and by tests."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class RouterApp:
         self.feeds = None
         self.records = None
         self.kube = None
+        self.sync = None  # router.replica_sync.ReplicaSync with the bus and cfg.replica_sync
         self.service: RouterService | None = None
         self.epp = None  # router.epp.EppServer when cfg.epp_port is set
 
@@ -54,6 +55,13 @@ class RouterApp:
             self.feeds = BusFeeds(self.nc, self.state, prefix=prefix, index=self.index, registry=self.registry,
                                   kv_snapshot=self.cfg.kv_snapshot)
             await self.feeds.start()
+            if self.cfg.replica_sync:
+                from router.replica_sync import ReplicaSync
+
+                self.sync = ReplicaSync(self.nc, self.state, pool=self.cfg.pool, prefix=prefix,
+                                        interval_s=self.cfg.replica_sync_interval_s,
+                                        expire_s=self.cfg.replica_sync_expire_s, registry=self.registry)
+                await self.sync.start()
             if self.cfg.records:
                 self.records = BusRecordSink(self.nc.jetstream(), self.cfg.pool, buffer=self.cfg.records_buffer,
                                              prefix=prefix, registry=self.registry)
@@ -84,6 +92,8 @@ class RouterApp:
             await self.service.stop()
         if self.kube is not None:
             await self.kube.stop()
+        if self.sync is not None:
+            await self.sync.stop()
         if self.records is not None:
             await self.records.flush(timeout=3.0)
             await self.records.stop()

@@ -112,6 +112,13 @@ class RouterConfig(_S):
     pd: PdConnectorConfig = Field(default_factory=PdConnectorConfig,
                                   description="the PD engines' KV connector (nixl, mooncake, mooncake_ascend)")
     records_buffer: int = Field(default=10_000, gt=0)
+    replica_sync: bool = Field(default=True, description="share this replica's in-flight load per engine with the "
+                               "other router replicas of its pool over NATS (router.sync.<pool>), and count theirs "
+                               "(router/replica_sync.py); needs the bus")
+    replica_sync_interval_s: float = Field(default=0.01, gt=0, le=1.0,
+                                           description="at most this often a replica tells the others its load")
+    replica_sync_expire_s: float = Field(default=3.0, gt=1.0,
+                                         description="a replica not heard from for this long is forgotten")
 
     def load_engine_keys(self) -> tuple[str | None, dict[str, str]]:
         """(global ``Authorization`` value or None, per static backend pod -> value)."""

@@ -43,6 +43,9 @@ class ClusterState:
         self._list: list[BackendState] = []
         self._lora_base: dict[str, str] = {}  # LoRA adapter -> base model
         self._marked = False  # some circuit_open flag may be set
+        # the other replicas' own load per pod (router.replica_sync), included in each backend's
+        # inflight / active_tokens / pending_prefill_tokens beside this replica's own
+        self._peer: dict[str, list[int]] = {}
         # changes whenever a backend's load or health fields may have changed (Router.decide's load_epoch)
         self.epoch = 0
         self.refresh()
@@ -142,6 +145,10 @@ class ClusterState:
                           "max_inflight", "max_num_seqs"):
                     setattr(old, f, getattr(new, f))
                 new = old
+            else:
+                peer = self._peer.get(pod)
+                if peer is not None:  # a pod the other replicas already have requests on
+                    new.inflight, new.active_tokens, new.pending_prefill_tokens = peer
             self._set_load(new)
             if self._devices:
                 self._set_device(new)
@@ -186,3 +193,35 @@ class ClusterState:
         b.inflight = max(0, b.inflight - 1)
         b.active_tokens = max(0, b.active_tokens - prompt_tokens)
         b.pending_prefill_tokens = max(0, b.pending_prefill_tokens - prefill_tokens_left)
+
+    # -- the other replicas' load (router.replica_sync) ---------------------------------
+    def add_peer_load(self, pod: str, inflight: int, active_tokens: int, pending_prefill_tokens: int) -> None:
+        """Add another replica's change of its own load on ``pod`` (negative to take it away)."""
+        peer = self._peer.setdefault(pod, [0, 0, 0])
+        peer[0] += inflight
+        peer[1] += active_tokens
+        peer[2] += pending_prefill_tokens
+        b = self._backends.get(pod)
+        if b is not None:
+            b.inflight = max(0, b.inflight + inflight)
+            b.active_tokens = max(0, b.active_tokens + active_tokens)
+            b.pending_prefill_tokens = max(0, b.pending_prefill_tokens + pending_prefill_tokens)
+        if peer == [0, 0, 0]:
+            del self._peer[pod]
+
+    def own_load(self) -> dict[str, tuple[int, int, int]]:
+        """This replica's own load per pod (what it tells the other replicas): every pod where it
+        has requests in flight, without the other replicas' share."""
+        out = {}
+        peers = self._peer
+        for b in self._list:
+            i, a, p = b.inflight, b.active_tokens, b.pending_prefill_tokens
+            if not (i or a or p):
+                continue
+            q = peers.get(b.pod)
+            if q is not None:
+                i, a, p = max(0, i - q[0]), max(0, a - q[1]), max(0, p - q[2])
+                if not (i or a or p):
+                    continue
+            out[b.pod] = (i, a, p)
+        return out

@@ -22,7 +22,7 @@ from schemas.kv import (
 from schemas.metrics import EngineMetrics, HistogramSnapshot
 from schemas.device import DeviceTelemetry
 from schemas.diagnosis import Diagnosis
-from schemas.records import CandidateScore, RequestRecord, RoutingDecision
+from schemas.records import CandidateScore, ReplicaLoad, RequestRecord, RoutingDecision
 from schemas.scaling import ScalingHint
 from schemas.deadletter import DeadLetter
 from schemas.announce import EngineAnnouncement
@@ -47,6 +47,7 @@ __all__ = [
     "CandidateScore",
     "RequestRecord",
     "RoutingDecision",
+    "ReplicaLoad",
     "ScalingHint",
     "DeadLetter",
     "EngineAnnouncement",

@@ -7,7 +7,7 @@ import sys
 from array import array
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from schemas.base import Event
 
@@ -176,3 +176,20 @@ class RequestRecord(Event):
                                         "decode's first token (KV pull plus one decode step; an upper bound)")
     tpot_s: float | None = Field(default=None, ge=0, description="time per output token after the first: "
                                  "(e2e - TTFT) / (output tokens - 1)")
+
+
+class ReplicaLoad(Event):
+    """One router replica's own accounting per engine, for the other replicas of its pool: the
+    requests it has in flight there, their prompt tokens, and their prompt tokens not yet
+    prefilled. Sent on core NATS (``router.sync.<pool>``, not stored) when it changes and at
+    least every second. The values are absolute, so a lost message is made good by the next; a
+    replica that stops sends ``final`` and one that goes silent is dropped after a timeout."""
+
+    replica: str = Field(min_length=1, max_length=256, description="the sending replica's id")
+    pool: str = Field(min_length=1)
+    seq: int = Field(ge=0, description="the sender's message counter (an older message is ignored)")
+    ts: float = Field(ge=0)
+    pods: dict[str, tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt]] = Field(
+        default_factory=dict, description="pod -> [requests in flight, their prompt tokens, prompt tokens not yet "
+                                          "prefilled]; a pod left out has none")
+    final: bool = Field(default=False, description="the replica is stopping: forget its load now")

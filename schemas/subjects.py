@@ -90,6 +90,11 @@ def router_decisions(pool: str) -> str:
     return _join("router", "decisions", escape_token(pool))
 
 
+def router_sync(pool: str) -> str:
+    """Router replicas of a pool share their own in-flight load here (core NATS, not stored)."""
+    return _join("router", "sync", escape_token(pool))
+
+
 def autoscale_hints(pool: str, role: str) -> str:
     return _join("autoscale", "hints", escape_token(pool), escape_token(role))
 
@@ -138,6 +143,8 @@ def parse(subject: str) -> dict[str, str]:
             return {"kind": "router.requests", "pool": unescape_token(t[2])}
         if t[:2] == ["router", "decisions"] and len(t) == 3:
             return {"kind": "router.decisions", "pool": unescape_token(t[2])}
+        if t[:2] == ["router", "sync"] and len(t) == 3:
+            return {"kind": "router.sync", "pool": unescape_token(t[2])}
         if t[:2] == ["autoscale", "hints"] and len(t) == 4:
             return {"kind": "autoscale.hints", "pool": unescape_token(t[2]), "role": unescape_token(t[3])}
         if t[0] == "dlq" and len(t) == 2:

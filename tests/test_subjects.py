@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import subjects as S
-from schemas.registry import CHANNELS, model_for_subject
+from schemas.registry import CHANNELS, CORE_ONLY, model_for_subject
 from streams.topology import DEFAULT_STREAMS, stream_for_subject, subject_matches
 
 
@@ -40,6 +40,7 @@ def test_percent_itself_is_escaped():
         (S.engine_metrics("p.2"), {"kind": "engine.metrics", "pod": "p.2"}),
         (S.diagnosis("n", "d"), {"kind": "diagnosis", "node": "n", "device": "d"}),
         (S.router_requests("pool"), {"kind": "router.requests", "pool": "pool"}),
+        (S.router_sync("a.b"), {"kind": "router.sync", "pool": "a.b"}),
         (S.autoscale_hints("p", "decode"), {"kind": "autoscale.hints", "pool": "p", "role": "decode"}),
     ],
 )
@@ -52,11 +53,12 @@ def test_parse_rejects_foreign_subjects():
         S.parse("foo.bar")
 
 
-def test_every_channel_lives_in_a_stream():
+def test_every_channel_lives_in_a_stream_but_the_core_only_ones():
     for kind, (model, template, _) in CHANNELS.items():
         concrete = template.format(model="m", pod="p", node="n", device="d", pool="x", role="prefill", stream="s")
         assert model_for_subject(concrete) is model
-        assert stream_for_subject(DEFAULT_STREAMS, concrete) is not None, kind
+        stored = stream_for_subject(DEFAULT_STREAMS, concrete) is not None
+        assert stored != (kind in CORE_ONLY), kind
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,158 @@
+"""Router replicas of one pool share their own in-flight load per engine.
+
+Each replica counts what it has sent to each engine and not yet seen finish: requests, their
+prompt tokens, and their prompt tokens not yet prefilled (``ClusterState.started`` /
+``first_token`` / ``finished``). kv-aware and the load scorers read these counts, which are exact
+when a request is placed, while the engines' own metrics arrive only every scrape interval. With
+two or more replicas behind one Service (the chart's default is two), each would see only its own
+share, and replicas that get requests at the same moment would all pick the same engine that
+looks idle.
+
+So each replica publishes its own counts (:class:`schemas.records.ReplicaLoad`) on core NATS
+``router.sync.<pool>``: at most every ``interval_s`` while they change, and every ``heartbeat_s``
+otherwise. It adds the other replicas' counts to its backends (``ClusterState.add_peer_load``).
+The values are absolute, so a lost message is made good by the next. A replica that stops sends a
+final message; one that goes silent for ``expire_s`` is forgotten. A message that does not decode
+goes to the dead-letter subject with the reason and is counted, and the rest carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from consumers.bus import DeadLetters, cancel_task
+from router.state import ClusterState
+from schemas import ReplicaLoad, ValidationFailure, decode_event
+from schemas import subjects as S
+
+log = logging.getLogger(__name__)
+
+
+def replica_id() -> str:
+    """Unique per process: the host name (the pod's name in Kubernetes), the pid and a random part."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class ReplicaSync:
+    def __init__(self, nc, state: ClusterState, *, pool: str, prefix: str | None = None,
+                 replica: str | None = None, interval_s: float = 0.01, heartbeat_s: float = 1.0,
+                 expire_s: float = 3.0, registry: CollectorRegistry | None = None):
+        if not 0 < interval_s <= heartbeat_s < expire_s:
+            raise ValueError("replica sync needs 0 < interval_s <= heartbeat_s < expire_s")
+        self.nc = nc
+        self.state = state
+        self.pool = pool
+        self.replica = replica or replica_id()
+        self.subject = S.with_prefix(prefix, S.router_sync(pool))
+        self.interval_s = interval_s
+        self.heartbeat_s = heartbeat_s
+        self.expire_s = expire_s
+        self.dead = DeadLetters(nc.jetstream(), consumer=f"router-sync-{self.replica}", registry=registry,
+                                prefix=prefix)
+        # peer replica -> (its last seq, when heard (monotonic), its pods' counts as added to the state)
+        self.peers: dict[str, tuple[int, float, dict[str, tuple[int, int, int]]]] = {}
+        self._seq = 0
+        self._sent: dict[str, tuple[int, int, int]] | None = None
+        self._sent_at = 0.0
+        self._sub = None
+        self._task: asyncio.Task | None = None
+        self._m_msgs = Counter("infernex_router_sync_messages_total", "Replica-sync messages, by direction",
+                               ["direction"], registry=registry)
+        self._m_peers = Gauge("infernex_router_sync_peers", "Other router replicas of this pool heard from",
+                              registry=registry)
+        self._m_expired = Counter("infernex_router_sync_expired_total",
+                                  "Replicas forgotten because they went silent (their load taken away)",
+                                  registry=registry)
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.subject, cb=self._on_msg)
+        self._task = asyncio.create_task(self._run(), name="router-replica-sync")
+
+    async def stop(self) -> None:
+        """Stop publishing and tell the other replicas to forget this one's load."""
+        await cancel_task(self._task)
+        self._task = None
+        try:
+            await self._publish({}, final=True)
+            await self.nc.flush(timeout=1)
+        except Exception as exc:  # noqa: BLE001 - the others forget us after expire_s anyway
+            log.debug("replica sync: final message not sent: %s", type(exc).__name__)
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be closing
+                pass
+            self._sub = None
+        for peer in list(self.peers):
+            self._forget(peer)
+
+    # -- sending ------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.tick(time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS down: the next tick tries again
+                log.warning("replica sync: %s", type(exc).__name__)
+
+    async def tick(self, now: float) -> None:
+        """Publish this replica's load if it changed (or the heartbeat is due); forget silent peers."""
+        own = self.state.own_load()
+        if own != self._sent or now - self._sent_at >= self.heartbeat_s:
+            await self._publish(own)
+            self._sent, self._sent_at = own, now
+        for peer, (_, heard, _) in list(self.peers.items()):
+            if now - heard > self.expire_s:
+                log.warning("replica sync: %s silent for %.1fs; its load is forgotten", peer, now - heard)
+                self._forget(peer)
+                self._m_expired.inc()
+
+    async def _publish(self, pods: dict[str, tuple[int, int, int]], final: bool = False) -> None:
+        self._seq += 1
+        msg = ReplicaLoad(replica=self.replica, pool=self.pool, seq=self._seq, ts=time.time(), pods=pods, final=final)
+        await self.nc.publish(self.subject, msg.to_json())
+        self._m_msgs.labels("sent").inc()
+
+    # -- receiving ----------------------------------------------------------------------
+    async def _on_msg(self, msg) -> None:
+        try:
+            load = decode_event(ReplicaLoad, msg.data)
+        except ValidationFailure as exc:
+            await self.dead.send(S.ROUTER, msg.subject, msg.data, str(exc))
+            return
+        if load.replica == self.replica:
+            return
+        self._m_msgs.labels("received").inc()
+        self.apply(load, time.monotonic())
+
+    def apply(self, load: ReplicaLoad, now: float) -> None:
+        """Fold one replica's message into the state (the difference from what it said before)."""
+        old = self.peers.get(load.replica)
+        if old is not None and load.seq <= old[0]:
+            return  # older than what is held (core NATS keeps one publisher's order; a restart resets seq)
+        before = old[2] if old is not None else {}
+        after = {} if load.final else load.pods
+        for pod in before.keys() | after.keys():
+            b, a = before.get(pod, (0, 0, 0)), after.get(pod, (0, 0, 0))
+            if a != b:
+                self.state.add_peer_load(pod, a[0] - b[0], a[1] - b[1], a[2] - b[2])
+        if load.final:
+            self.peers.pop(load.replica, None)
+        else:
+            self.peers[load.replica] = (load.seq, now, dict(after))
+        self._m_peers.set(len(self.peers))
+
+    def _forget(self, peer: str) -> None:
+        _, _, pods = self.peers.pop(peer)
+        for pod, (i, a, p) in pods.items():
+            self.state.add_peer_load(pod, -i, -a, -p)
+        self._m_peers.set(len(self.peers))

@@ -1,0 +1,139 @@
+"""Router replicas of one pool share their own in-flight load over a real nats-server: a replica
+counts the requests another has in flight on each engine (and so does not pick an engine that
+only looks idle to it), forgets them when they finish, when the other stops and when the other
+goes silent; a malformed sync message is dead-lettered and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.app import RouterApp
+from router.config import RouterConfig, StaticBackend
+from router.replica_sync import ReplicaSync
+from router.state import ClusterState, backend_from_static
+from router.testing import FakeEngine, wait_for
+from schemas import ReplicaLoad
+from schemas import subjects as S
+
+PODS = [f"e{i}" for i in range(6)]
+
+
+def test_own_load_excludes_the_other_replicas_and_counts_add_up():
+    st = ClusterState(RouterConfig(backends=[StaticBackend(pod=p, url=f"http://{p}", model="m") for p in ("a", "b")]))
+    a = st.get("a")
+    st.started(a, 100, 60)
+    st.add_peer_load("a", 2, 300, 200)
+    st.add_peer_load("c", 1, 10, 10)  # a pod this replica does not know yet
+    assert (a.inflight, a.active_tokens, a.pending_prefill_tokens) == (3, 400, 260)
+    assert st.own_load() == {"a": (1, 100, 60)}
+    st.first_token(a, 60)
+    st.add_peer_load("a", -1, -100, -200)
+    assert (a.inflight, a.active_tokens, a.pending_prefill_tokens) == (2, 300, 0)
+    st.finished(a, 100, 0)
+    assert (a.inflight, a.active_tokens) == (1, 200) and st.own_load() == {}
+    st.add_static(backend_from_static(StaticBackend(pod="c", url="http://c", model="m"), "default"))  # with their load
+    c = st.get("c")
+    assert (c.inflight, c.active_tokens, c.pending_prefill_tokens) == (1, 10, 10) and st.own_load() == {}
+
+
+@pytest.fixture
+async def engines():
+    es = [await FakeEngine(p, delay_s=0.5).start() for p in PODS]  # 8 tokens: 4 s a request
+    yield es
+    for e in es:
+        await e.stop()
+
+
+def _app(engines, nats_config, **kw) -> RouterApp:
+    cfg = RouterConfig(strategy="least-load", seed=1, records=False, connect_timeout_s=2,
+                       backends=[StaticBackend(pod=e.pod, url=e.url, model="m") for e in engines], **kw)
+    return RouterApp(cfg, nats_config, registry=CollectorRegistry())
+
+
+def _peer_inflight(app: RouterApp) -> int:
+    return sum(b.inflight for b in app.state.snapshot())
+
+
+async def test_a_replica_counts_the_others_requests_and_picks_the_engine_idle_for_both(engines, nats_config, topology):
+    one, two = _app(engines, nats_config), _app(engines, nats_config)
+    await one.start("127.0.0.1", 0)
+    await two.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def complete():
+                async with s.post(one.service.url + "/v1/completions",
+                                  json={"model": "m", "prompt": "hi", "max_tokens": 8}) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["served_by"]
+
+            busy = [asyncio.create_task(complete()) for _ in range(len(PODS) - 1)]
+            assert await wait_for(lambda: _peer_inflight(two) == len(PODS) - 1, timeout=5)
+            assert two.state.own_load() == {}  # all of it is the other replica's
+            held = {p for p, (i, _, _) in one.state.own_load().items() if i}
+            idle = set(PODS) - held
+            assert len(held) == len(PODS) - 1 and len(idle) == 1
+            for _ in range(5):  # a dry-run decision: only the engine idle for both replicas
+                async with s.post(two.service.url + "/v1/router/decide",
+                                  json={"model": "m", "prompt": "hello"}) as r:
+                    assert (await r.json())["picked"] in idle
+            served = await asyncio.gather(*busy)
+            assert set(served) == held
+        assert await wait_for(lambda: _peer_inflight(two) == 0, timeout=5)  # finished: forgotten
+        assert one.sync.replica in two.sync.peers and two.sync.replica in one.sync.peers
+    finally:
+        await two.stop(drain=False)
+        await one.stop(drain=False)
+
+
+async def test_a_stopping_replica_is_forgotten_at_once_a_silent_one_after_the_timeout(nc, nats_config, prefix):
+    st = ClusterState(RouterConfig(backends=[StaticBackend(pod="a", url="http://a", model="m")]))
+    sync = ReplicaSync(nc, st, pool="default", prefix=prefix, expire_s=1.5, registry=CollectorRegistry())
+    await sync.start()
+    subject = S.with_prefix(prefix, S.router_sync("default"))
+    try:
+        for rep in ("loud", "quiet"):
+            await nc.publish(subject, ReplicaLoad(replica=rep, pool="default", seq=1, ts=time.time(),
+                                                  pods={"a": (2, 50, 20)}).to_json())
+        assert await wait_for(lambda: st.get("a").inflight == 4, timeout=5)
+        # an older message from a replica is ignored (one connection's messages arrive in order)
+        await nc.publish(subject, ReplicaLoad(replica="loud", pool="default", seq=0, ts=time.time(),
+                                              pods={"a": (9, 9, 9)}).to_json())
+        await nc.publish(subject, ReplicaLoad(replica="quiet", pool="default", seq=2, ts=time.time(),
+                                              pods={"a": (3, 60, 0)}).to_json())
+        assert await wait_for(lambda: st.get("a").inflight == 5, timeout=5)
+        assert st.get("a").active_tokens == 110 and st.get("a").pending_prefill_tokens == 20
+        await nc.publish(subject, ReplicaLoad(replica="loud", pool="default", seq=2, ts=time.time(),
+                                              final=True).to_json())
+        assert await wait_for(lambda: st.get("a").inflight == 3, timeout=5)  # "loud" said goodbye
+        t = time.monotonic()
+        assert await wait_for(lambda: st.get("a").inflight == 0, timeout=5)  # "quiet" timed out
+        assert time.monotonic() - t > 0.5 and st.get("a").active_tokens == 0 and not sync.peers
+    finally:
+        await sync.stop()
+
+
+async def test_a_malformed_sync_message_is_dead_lettered_and_changes_nothing(nc, nats_config, prefix, topology):
+    st = ClusterState(RouterConfig(backends=[StaticBackend(pod="a", url="http://a", model="m")]))
+    sync = ReplicaSync(nc, st, pool="default", prefix=prefix, registry=CollectorRegistry())
+    await sync.start()
+    subject = S.with_prefix(prefix, S.router_sync("default"))
+    try:
+        bad = json.dumps({"schema_version": 1, "replica": "r", "pool": "default", "seq": 1, "ts": 1.0,
+                          "pods": {"a": [-3, 0, 0]}}).encode()
+        await nc.publish(subject, bad)
+        await nc.publish(subject, b"not json")
+        assert await wait_for(lambda: sync.dead.count == 2, timeout=5)
+        assert st.get("a").inflight == 0 and not sync.peers
+        js = nc.jetstream()
+        dlq = await js.subscribe(S.with_prefix(prefix, S.dead_letter(S.ROUTER)), ordered_consumer=True)
+        letter = json.loads((await dlq.next_msg(timeout=5)).data)
+        await dlq.unsubscribe()
+        assert letter["subject"] == subject and "pods" in letter["reason"]
+    finally:
+        await sync.stop()
