@@ -340,8 +340,8 @@ async def main_async(args) -> None:
         block_size = await engine_block_size(ctl, engines[0])
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
-        trees = {ref: _peers().extract_ref(ref) for ref in {r.partition("@")[2] for r in routers
-                                                   if "@" in r and not r.startswith(("sglang:", "vllm:"))}}
+        trees = {ref: _peers().extract_ref(ref) for ref in {r.split("+")[0].partition("@")[2] for r in routers
+                                                   if not r.startswith(("sglang:", "vllm:"))} if ref}
         hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                      preexec_fn=_die_with_parent if _LIBC is not None else None)
                     for _ in range(args.cpu_hog))
@@ -360,7 +360,9 @@ async def main_async(args) -> None:
             for name in order:
                 await reset_prefix_caches(ctl, engines)
                 await asyncio.sleep(1.0)  # the cleared caches reach the bus
+                spec, *assigns = name.split("+")  # NAME[@REF][+ENV=VALUE...]: our router with these settings
                 port = free_port()
+                ports = [port]
                 if name.startswith("vllm:"):  # its kv_aware policy reads the engines' own KV events (ZMQ)
                     policy = name.split(":", 1)[1]
                     cmd = [str(vr_exe), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -373,40 +375,48 @@ async def main_async(args) -> None:
                         for h in engines:
                             cmd += ["--kv-event-source", f"{h.url}={h.kv_endpoint}", "--kv-event-replay-source",
                                     f"{h.url}={h.replay_endpoint}"]
+                    cmds = [cmd]
                 elif name.startswith("sglang:"):
-                    cmd = [sg_py, "-m", "sglang_router.launch_router", "--worker-urls", *[h.url for h in engines],
-                           "--policy", name.split(":", 1)[1], "--port", str(port),
-                           "--prometheus-port", str(free_port()), "--log-level", "warn"]
+                    cmds = [[sg_py, "-m", "sglang_router.launch_router", "--worker-urls", *[h.url for h in engines],
+                             "--policy", name.split(":", 1)[1], "--port", str(port),
+                             "--prometheus-port", str(free_port()), "--log-level", "warn"]]
                 else:
-                    strategy, _, ref = name.partition("@")  # NAME@REF: the router from git REF's code
-                    cmd = [sys.executable, "-m", "infernex.cli", "router", "--port", str(port), "--profile", strategy,
-                           "--tokenizer", "simple"]
-                    for h in engines:
-                        cmd += ["-b", f"{h.engine_id}={h.url}@{MODEL}"]
-                tree = trees.get(name.partition("@")[2], ROOT) if not name.startswith(("sglang:", "vllm:")) else ROOT
-                if args.nice:
-                    cmd = ["nice", "-n", str(args.nice), *cmd]
-                proc = subprocess.Popen(cmd, cwd=tree, env=dict(env, PYTHONPATH=tree), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent if _LIBC is not None else None)
+                    strategy, _, ref = spec.partition("@")  # NAME@REF: the router from git REF's code
+                    ports = [port] + [free_port() for _ in range(args.replicas - 1)]
+                    cmds = []
+                    for pt in ports:  # --replicas: as many router processes, the client alternating between them
+                        cmd = [sys.executable, "-m", "infernex.cli", "router", "--port", str(pt), "--profile",
+                               strategy, "--tokenizer", "simple"]
+                        for h in engines:
+                            cmd += ["-b", f"{h.engine_id}={h.url}@{MODEL}"]
+                        cmds.append(cmd)
+                tree = trees.get(spec.partition("@")[2], ROOT) if not name.startswith(("sglang:", "vllm:")) else ROOT
+                penv = dict(env, PYTHONPATH=tree, **dict(a.split("=", 1) for a in assigns))
+                procs = [subprocess.Popen(["nice", "-n", str(args.nice), *cmd] if args.nice else cmd, cwd=tree,
+                                          env=penv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          preexec_fn=_die_with_parent if _LIBC is not None else None)
+                         for cmd in cmds]
                 try:
-                    url = f"http://127.0.0.1:{port}"
-                    await wait_ready(url)
+                    urls = [f"http://127.0.0.1:{pt}" for pt in ports]
+                    for url in urls:
+                        await wait_ready(url)
                     await asyncio.sleep(1.5)  # load state from the metrics collector
                     s0 = await engine_counters(ctl, engines)
-                    cpu0 = _cpu_seconds(proc.pid)  # start-up (imports, JIT warm-up) left out
+                    cpu0 = sum(_cpu_seconds(pr.pid) for pr in procs)  # start-up (imports, JIT warm-up) left out
                     t = time.monotonic()
-                    res = await replay(rows, url, model=MODEL, time_scale=1.0 / args.time_scale, prompt_mode="text",
+                    res = await replay(rows, urls, model=MODEL, time_scale=1.0 / args.time_scale, prompt_mode="text",
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
                     s1 = await engine_counters(ctl, engines)
-                    cpu = _cpu_seconds(proc.pid) - cpu0
+                    cpu = sum(_cpu_seconds(pr.pid) for pr in procs) - cpu0
                 finally:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                    for pr in procs:
+                        pr.send_signal(signal.SIGTERM)
+                    for pr in procs:
+                        try:
+                            pr.wait(timeout=20)
+                        except subprocess.TimeoutExpired:
+                            pr.kill()
                 d = {p: tuple(b - a for a, b in zip(s0[p], s1[p])) for p in s1}
                 done = [v[0] for v in d.values()]
                 hits, queries = sum(v[1] for v in d.values()), sum(v[2] for v in d.values())
@@ -484,6 +494,10 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=0,
                     help="run every router under this niceness (the engines share the same cores: shows how "
                          "much a router's own CPU slows them)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="run each of our routers as this many processes (replicas of one pool, sharing their "
+                         "load over the bus unless +INFERNEX_ROUTER__REPLICA_SYNC=false); the client sends "
+                         "the requests to them in turn; router CPU is their sum")
     ap.add_argument("--engines-in-process", action="store_true",
                     help="run all engines on one asyncio loop in the bench process (SimCluster, with the client, "
                          "KV bridges and collector) instead of one process per engine: the older layout")
@@ -491,7 +505,8 @@ def main() -> None:
                     help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,
                     help="infernex strategy (name or YAML; NAME@REF runs it from git REF's code, extracted "
-                         "with git archive, in the same interleaved rounds), sglang:POLICY or vllm:POLICY; repeat")
+                         "with git archive, in the same interleaved rounds; +ENV=VALUE sets a setting, e.g. "
+                         "kv-aware+INFERNEX_ROUTER__RECORDS=false), sglang:POLICY or vllm:POLICY; repeat")
     try:
         asyncio.run(main_async(ap.parse_args()))
     except asyncio.CancelledError:  # SIGTERM: the engines and routers are stopped by then

@@ -185,3 +185,19 @@ async def test_result_file_round_trips(tmp_path):
     res.write(path)
     back = ReplayResult.read(path)
     assert back == res and back.requests[0].output_tokens == 3
+
+
+async def test_several_urls_take_the_requests_in_turn_in_arrival_order():
+    servers = [FakeOpenAI(ttft_s=0.01, itl_s=0.001).start() for _ in range(2)]
+    try:
+        rows = [row(100 * (5 - i), [i], 50, 2) for i in range(6)]  # arrival order is the reverse of the list
+        res = await replay(rows, [s.url for s in servers], model="m", timeout_s=30)
+        assert [r.status for r in res.requests] == ["ok"] * 6 and res.meta["url"] == [s.url for s in servers]
+        by_arrival = sorted(range(6), key=lambda i: rows[i].timestamp)
+        assert sorted(x.index for x in servers[0].received) == sorted(by_arrival[0::2])
+        assert sorted(x.index for x in servers[1].received) == sorted(by_arrival[1::2])
+        with pytest.raises(ReplayError, match="no URL"):
+            await replay(rows, [], model="m")
+    finally:
+        for s in servers:
+            s.stop()

@@ -206,7 +206,7 @@ def build_body(row: TraceRow, *, model: str, synth: PromptSynthesizer, prompt_mo
 
 async def replay(
     rows: Sequence[TraceRow] | Iterable[TraceRow],
-    url: str,
+    url: str | Sequence[str],
     *,
     model: str | None = None,
     time_scale: float = 1.0,
@@ -226,6 +226,8 @@ async def replay(
 ) -> ReplayResult:
     """Replay ``rows`` open-loop against an OpenAI-compatible ``url``; returns every request's
     result and the summary. ``on_result`` is called as each request finishes (progress bars).
+    Several URLs (replicas behind no load balancer): the requests go to them in turn, in
+    arrival order.
 
     ``stop``: when set, nothing more is sent and requests in flight are cancelled (recorded as
     ``cancelled``); the partial result is returned with ``meta["stopped"]`` true."""
@@ -243,7 +245,11 @@ async def replay(
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    endpoint = f"{_base(url)}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ReplayError("no URL to replay against")
+    url = urls[0]
+    endpoints = [f"{_base(u)}/v1/{'chat/completions' if api == 'chat' else 'completions'}" for u in urls]
     own_client = http_client is None
     client = http_client or httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s, connect=10.0, pool=None),
@@ -285,6 +291,7 @@ async def replay(
                         break
                     except TimeoutError:
                         pass
+            endpoint = endpoints[len(tasks) % len(endpoints)]
             task = asyncio.create_task(_send(client, endpoint, req, headers, t0=t0, timeout_s=timeout_s,
                                              api=api, sem=sem))
             task.add_done_callback(_done)
@@ -310,7 +317,7 @@ async def replay(
         if own_client:
             await client.aclose()
     results.sort(key=lambda r: r.index)
-    meta = {"url": url, "model": model, "api": api, "prompt_mode": prompt_mode, "time_scale": time_scale,
+    meta = {"url": url if len(urls) == 1 else urls, "model": model, "api": api, "prompt_mode": prompt_mode, "time_scale": time_scale,
             "concurrency": concurrency, "requests": len(rows), "run_id": run_id, "started_at": started_wall,
             "block_tokens": synth.block_tokens, "stopped": stopped, "unsent": len(rows) - len(results)}
     return ReplayResult(meta=meta, summary=summarize(results, duration), requests=results)
