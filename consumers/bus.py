@@ -40,11 +40,13 @@ log = logging.getLogger(__name__)
 NANOS = 1_000_000_000
 
 
-async def connect(cfg: NatsConfig, *, name: str | None = None) -> NatsClient:
-    """Connect with the configured auth; raise a clear error if no server answers."""
+async def connect(cfg: NatsConfig, *, name: str | None = None, no_echo: bool = False) -> NatsClient:
+    """Connect with the configured auth; raise a clear error if no server answers. ``no_echo``:
+    the server does not deliver this connection's own messages to its own subscriptions."""
     opts: dict = {
         "servers": cfg.servers,
         "name": name or cfg.name,
+        "no_echo": no_echo,
         "connect_timeout": cfg.connect_timeout_s,
         "max_reconnect_attempts": cfg.max_reconnect_attempts,
         "reconnect_time_wait": 0.5,

@@ -51,7 +51,8 @@ class RouterApp:
             from router.feeds import BusFeeds
             from router.records import BusRecordSink
 
-            self.nc = await bus.connect(self.nats, name="infernex-router")
+            # no echo: the replica sync subject is the only one the router both publishes and reads
+            self.nc = await bus.connect(self.nats, name="infernex-router", no_echo=True)
             self.feeds = BusFeeds(self.nc, self.state, prefix=prefix, index=self.index, registry=self.registry,
                                   kv_snapshot=self.cfg.kv_snapshot)
             await self.feeds.start()

@@ -9,8 +9,8 @@ share, and replicas that get requests at the same moment would all pick the same
 looks idle.
 
 So each replica publishes its own counts (:class:`schemas.records.ReplicaLoad`) on core NATS
-``router.sync.<pool>``: at most every ``interval_s`` while they change, and every ``heartbeat_s``
-otherwise. It adds the other replicas' counts to its backends (``ClusterState.add_peer_load``).
+``router.sync.<pool>``: when they change, at most once every ``interval_s`` (a busy replica sends
+one message per interval with all that changed), and every ``heartbeat_s`` otherwise. It adds the other replicas' counts to its backends (``ClusterState.add_peer_load``).
 The values are absolute, so a lost message is made good by the next. A replica that stops sends a
 final message; one that goes silent for ``expire_s`` is forgotten. A message that does not decode
 goes to the dead-letter subject with the reason and is counted, and the rest carry on.
@@ -63,6 +63,7 @@ class ReplicaSync:
         self._sent_at = 0.0
         self._sub = None
         self._task: asyncio.Task | None = None
+        self._changed: asyncio.Event | None = None
         self._m_msgs = Counter("infernex_router_sync_messages_total", "Replica-sync messages, by direction",
                                ["direction"], registry=registry)
         self._m_peers = Gauge("infernex_router_sync_peers", "Other router replicas of this pool heard from",
@@ -72,11 +73,14 @@ class ReplicaSync:
                                   registry=registry)
 
     async def start(self) -> None:
+        self._changed = asyncio.Event()
+        self.state.on_own_change = self._changed.set
         self._sub = await self.nc.subscribe(self.subject, cb=self._on_msg)
         self._task = asyncio.create_task(self._run(), name="router-replica-sync")
 
     async def stop(self) -> None:
         """Stop publishing and tell the other replicas to forget this one's load."""
+        self.state.on_own_change = None
         await cancel_task(self._task)
         self._task = None
         try:
@@ -95,14 +99,22 @@ class ReplicaSync:
 
     # -- sending ------------------------------------------------------------------------
     async def _run(self) -> None:
+        changed = self._changed
         while True:
-            await asyncio.sleep(self.interval_s)
+            # woken by a change of this replica's own counts (no wake-ups while nothing changes), or
+            # by the heartbeat; then at most one message per interval, whatever changed meanwhile
+            try:
+                await asyncio.wait_for(changed.wait(), self.heartbeat_s)
+            except TimeoutError:
+                pass
+            changed.clear()
             try:
                 await self.tick(time.monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - NATS down: the next tick tries again
                 log.warning("replica sync: %s", type(exc).__name__)
+            await asyncio.sleep(self.interval_s)
 
     async def tick(self, now: float) -> None:
         """Publish this replica's load if it changed (or the heartbeat is due); forget silent peers."""

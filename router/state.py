@@ -7,6 +7,8 @@ call ``apply_*``. No locks, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.config import RouterConfig, StaticBackend
 from router.resilience import CircuitBreakers
 from router.types import BackendState
@@ -46,6 +48,7 @@ class ClusterState:
         # the other replicas' own load per pod (router.replica_sync), included in each backend's
         # inflight / active_tokens / pending_prefill_tokens beside this replica's own
         self._peer: dict[str, list[int]] = {}
+        self.on_own_change: Callable[[], None] | None = None  # called when this replica's own counts change
         # changes whenever a backend's load or health fields may have changed (Router.decide's load_epoch)
         self.epoch = 0
         self.refresh()
@@ -185,14 +188,20 @@ class ClusterState:
         b.inflight += 1
         b.active_tokens += prompt_tokens
         b.pending_prefill_tokens += prefill_tokens
+        if self.on_own_change is not None:
+            self.on_own_change()
 
     def first_token(self, b: BackendState, prefill_tokens: int) -> None:
         b.pending_prefill_tokens = max(0, b.pending_prefill_tokens - prefill_tokens)
+        if self.on_own_change is not None:
+            self.on_own_change()
 
     def finished(self, b: BackendState, prompt_tokens: int, prefill_tokens_left: int) -> None:
         b.inflight = max(0, b.inflight - 1)
         b.active_tokens = max(0, b.active_tokens - prompt_tokens)
         b.pending_prefill_tokens = max(0, b.pending_prefill_tokens - prefill_tokens_left)
+        if self.on_own_change is not None:
+            self.on_own_change()
 
     # -- the other replicas' load (router.replica_sync) ---------------------------------
     def add_peer_load(self, pod: str, inflight: int, active_tokens: int, pending_prefill_tokens: int) -> None:
