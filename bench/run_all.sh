@@ -21,6 +21,8 @@ run quality-http "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --r
 run quality-http-busy "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 2 --cpu-hog 2 -r kv-aware -r sglang:cache_aware
 run ttft-floor "$P" -P bench/ttft_floor.py --live
 run records "$P" -P bench/records_publish.py --rounds 5
+run replica-sync "$P" -P bench/replica_sync.py
+run quality-http-replicas "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 3 --replicas 2 -r kv-aware -r kv-aware+INFERNEX_ROUTER__REPLICA_SYNC=false -r sglang:cache_aware
 run router-long-hf "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3 --router-tokenizer tests/fixtures/tokenize
 run simulate "$BIN/infernex" simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl -p round-robin -p least-load -p kv-aware -p dynamo-cost --out "$OUT/sim-out"
 run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
