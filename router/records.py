@@ -200,6 +200,7 @@ class BusRecordSink(RecordSink):
         self._slots: asyncio.Semaphore | None = None
         self._task: asyncio.Task | None = None
         self._again: set[asyncio.Task] = set()
+        self._stopped = False
         self.inflight = 0  # taken from the queue, not yet acked or counted unconfirmed
 
     def start(self) -> None:
@@ -235,6 +236,8 @@ class BusRecordSink(RecordSink):
         timer.cancel()
         if not fut.cancelled() and fut.exception() is None:
             self._settle(subject, True)
+        elif self._stopped:  # an ack still pending when the publisher stopped: no retry any more
+            self._settle(subject, False)
         else:  # no ack in time (the connection was down, the server restarted) or an error reply
             self._publish_again(subject, data, msg_id)
 
@@ -273,6 +276,7 @@ class BusRecordSink(RecordSink):
     async def stop(self) -> None:
         from consumers.bus import cancel_task
 
+        self._stopped = True
         if self._task is not None:
             await cancel_task(self._task)
             self._task = None

@@ -141,8 +141,8 @@ class ReplicaSync:
         except ValidationFailure as exc:
             await self.dead.send(S.ROUTER, msg.subject, msg.data, str(exc))
             return
-        if load.replica == self.replica:
-            return
+        if load.replica == self.replica or load.pool != self.pool:
+            return  # our own (a connection with echo) or another pool's replica on a shared subject
         self._m_msgs.labels("received").inc()
         self.apply(load, time.monotonic())
 
