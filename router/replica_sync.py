@@ -9,8 +9,9 @@ share, and replicas that get requests at the same moment would all pick the same
 looks idle.
 
 So each replica publishes its own counts (:class:`schemas.records.ReplicaLoad`) on core NATS
-``router.sync.<pool>``: when they change, at most once every ``interval_s`` (a busy replica sends
-one message per interval with all that changed), and every ``heartbeat_s`` otherwise. It adds the other replicas' counts to its backends (``ClusterState.add_peer_load``).
+``router.sync.<pool>``: when it starts, every ``heartbeat_s``, and, while it hears other replicas,
+when its counts change, at most once every ``interval_s`` (a busy replica sends one message per
+interval with all that changed). A replica alone sends only the heartbeat. It adds the other replicas' counts to its backends (``ClusterState.add_peer_load``).
 The values are absolute, so a lost message is made good by the next. A replica that stops sends a
 final message; one that goes silent for ``expire_s`` is forgotten. A message that does not decode
 goes to the dead-letter subject with the reason and is counted, and the rest carry on.
@@ -76,6 +77,10 @@ class ReplicaSync:
         self._changed = asyncio.Event()
         self.state.on_own_change = self._changed.set
         self._sub = await self.nc.subscribe(self.subject, cb=self._on_msg)
+        try:
+            await self.tick(time.monotonic())  # say hello: replicas already running start sending to us
+        except Exception as exc:  # noqa: BLE001 - the heartbeat says it again
+            log.warning("replica sync: hello not sent: %s", type(exc).__name__)
         self._task = asyncio.create_task(self._run(), name="router-replica-sync")
 
     async def stop(self) -> None:
@@ -101,12 +106,16 @@ class ReplicaSync:
     async def _run(self) -> None:
         changed = self._changed
         while True:
-            # woken by a change of this replica's own counts (no wake-ups while nothing changes), or
-            # by the heartbeat; then at most one message per interval, whatever changed meanwhile
-            try:
-                await asyncio.wait_for(changed.wait(), self.heartbeat_s)
-            except TimeoutError:
-                pass
+            # with other replicas: woken by a change of this replica's own counts (no wake-ups while
+            # nothing changes) or by the heartbeat, then at most one message per interval whatever
+            # changed meanwhile; alone: the heartbeat only, for a replica that may join
+            if self.peers:
+                try:
+                    await asyncio.wait_for(changed.wait(), self.heartbeat_s)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(self.heartbeat_s)
             changed.clear()
             try:
                 await self.tick(time.monotonic())
@@ -117,9 +126,10 @@ class ReplicaSync:
             await asyncio.sleep(self.interval_s)
 
     async def tick(self, now: float) -> None:
-        """Publish this replica's load if it changed (or the heartbeat is due); forget silent peers."""
+        """Publish this replica's load if the heartbeat is due, or if it changed and other replicas
+        listen; forget replicas gone silent."""
         own = self.state.own_load()
-        if own != self._sent or now - self._sent_at >= self.heartbeat_s:
+        if (own != self._sent and self.peers) or now - self._sent_at >= self.heartbeat_s:
             await self._publish(own)
             self._sent, self._sent_at = own, now
         for peer, (_, heard, _) in list(self.peers.items()):

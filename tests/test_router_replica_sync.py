@@ -137,3 +137,28 @@ async def test_a_malformed_sync_message_is_dead_lettered_and_changes_nothing(nc,
         assert letter["subject"] == subject and "pods" in letter["reason"]
     finally:
         await sync.stop()
+
+
+async def test_alone_a_replica_sends_only_its_heartbeat_and_with_a_peer_its_changes(nc, prefix):
+    cfg = RouterConfig(backends=[StaticBackend(pod="a", url="http://a", model="m")])
+    st = ClusterState(cfg)
+    sync = ReplicaSync(nc, st, pool="default", prefix=prefix, registry=CollectorRegistry())
+    await sync.start()
+    subject = S.with_prefix(prefix, S.router_sync("default"))
+    try:
+        async def churn(seconds: float) -> int:
+            seq0, end = sync._seq, time.monotonic() + seconds
+            while time.monotonic() < end:
+                st.started(st.get("a"), 10, 10)
+                await asyncio.sleep(0.02)
+                st.finished(st.get("a"), 10, 10)
+                await asyncio.sleep(0.02)
+            return sync._seq - seq0
+
+        alone = await churn(1.5)
+        assert alone <= 2  # the heartbeat, not one message per change
+        await nc.publish(subject, ReplicaLoad(replica="other", pool="default", seq=1, ts=time.time()).to_json())
+        assert await wait_for(lambda: "other" in sync.peers, timeout=5)
+        assert await churn(1.5) >= 20  # now every change goes out (at most one per 10 ms)
+    finally:
+        await sync.stop()
