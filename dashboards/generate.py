@@ -104,6 +104,13 @@ ROUTER = Dashboard(
             (f"sum by (kind) (rate(infernex_router_records_published_total[{RI}]))", "published {{kind}}"),
             (f"sum by (kind) (rate(infernex_router_records_dropped_total[{RI}]))", "dropped {{kind}}")],
             unit="ops", description="Dropped: the bounded publish buffer was full; requests never wait for the bus."),
+        Panel("Router replicas sharing their load", [
+            ("max(infernex_router_sync_peers)", "other replicas heard (max over replicas)"),
+            (f"sum by (direction) (rate(infernex_router_sync_messages_total[{RI}]))", "messages {{direction}}"),
+            (f"sum(rate(infernex_router_sync_expired_total[{RI}]))", "replicas gone silent")],
+            description="Each replica tells the others of its pool its own in-flight requests per engine "
+                        "(router.sync.<pool>); with N replicas, each should hear N-1. A replica gone silent "
+                        "is forgotten after router.replica_sync_expire_s."),
     ],
 )
 
