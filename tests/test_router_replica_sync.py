@@ -162,3 +162,43 @@ async def test_alone_a_replica_sends_only_its_heartbeat_and_with_a_peer_its_chan
         assert await churn(1.5) >= 20  # now every change goes out (at most one per 10 ms)
     finally:
         await sync.stop()
+
+
+async def test_after_a_nats_kill9_the_replicas_find_each_other_and_their_counts_are_true_again(tmp_path, caplog):
+    from consumers import bus
+    from infernex.embedded_nats import EmbeddedNats, free_port
+    from schemas.config import NatsConfig
+
+    server = EmbeddedNats(tmp_path / "store", port=free_port()).start()
+    cfg = NatsConfig(servers=[server.url], connect_timeout_s=2)
+    ncs = [await bus.connect(cfg, no_echo=True) for _ in range(2)]
+    backends = [StaticBackend(pod=p, url=f"http://{p}", model="m") for p in ("a", "b")]
+    states = [ClusterState(RouterConfig(backends=backends)) for _ in range(2)]
+    syncs = [ReplicaSync(nc, st, pool="default", expire_s=1.5, registry=CollectorRegistry())
+             for nc, st in zip(ncs, states)]
+    try:
+        for s in syncs:
+            await s.start()
+        one, two = states
+        one.started(one.get("a"), 100, 40)
+        assert await wait_for(lambda: two.get("a").inflight == 1, timeout=5)
+        server.kill()
+        one.finished(one.get("a"), 100, 40)  # while the bus is down: the news cannot go out
+        two.started(two.get("b"), 30, 30)
+        await asyncio.sleep(3.2)  # longer than expire_s plus a heartbeat: each forgets the other
+        assert two.get("a").inflight == 0 and one.get("b").inflight == 0 and not syncs[1].peers
+        server.start()
+        # ground truth: each replica's own requests; after the reconnect both views equal it
+        truth = {"a": (0, 0), "b": (1, 30)}
+
+        def agreed() -> bool:
+            return all({p: (st.get(p).inflight, st.get(p).active_tokens) for p in "ab"} == truth for st in states)
+
+        assert await wait_for(agreed, timeout=15)
+        assert sum("replica sync:" in r.getMessage() for r in caplog.records) < 20  # no warning per tick
+    finally:
+        for s in syncs:
+            await s.stop()
+        for nc in ncs:
+            await nc.close()
+        server.cleanup()
