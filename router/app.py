@@ -61,7 +61,9 @@ class RouterApp:
 
                 self.sync = ReplicaSync(self.nc, self.state, pool=self.cfg.pool, prefix=prefix,
                                         interval_s=self.cfg.replica_sync_interval_s,
-                                        expire_s=self.cfg.replica_sync_expire_s, registry=self.registry)
+                                        expire_s=self.cfg.replica_sync_expire_s,
+                                        index=self.index if self.cfg.replica_sync_routes else None,
+                                        registry=self.registry)
                 await self.sync.start()
             if self.cfg.records:
                 self.records = BusRecordSink(self.nc.jetstream(), self.cfg.pool, buffer=self.cfg.records_buffer,
@@ -74,6 +76,8 @@ class RouterApp:
             await self.kube.start()
         self.service = RouterService(self.cfg, state=self.state, index=self.index, registry=self.registry,
                                      records=self.records)
+        if self.sync is not None and self.cfg.replica_sync_routes:
+            self.service.on_route = self.sync.add_route
         url = await self.service.start(host, port)
         if self.cfg.epp_port is not None:
             from router.epp import start_epp

@@ -115,6 +115,8 @@ class RouterConfig(_S):
     replica_sync: bool = Field(default=True, description="share this replica's in-flight load per engine with the "
                                "other router replicas of its pool over NATS (router.sync.<pool>), and count theirs "
                                "(router/replica_sync.py); needs the bus")
+    replica_sync_routes: bool = Field(default=True, description="with replica_sync: also share the prompts "
+                                      "routed (their block keys), which the others count as predicted blocks")
     replica_sync_interval_s: float = Field(default=0.01, gt=0, le=1.0,
                                            description="at most this often a replica tells the others its load")
     replica_sync_expire_s: float = Field(default=3.0, gt=1.0,

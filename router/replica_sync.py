@@ -13,18 +13,28 @@ So each replica publishes its own counts (:class:`schemas.records.ReplicaLoad`) 
 when its counts change, at most once every ``interval_s`` (a busy replica sends one message per
 interval with all that changed). A replica alone sends only the heartbeat. It adds the other replicas' counts to its backends (``ClusterState.add_peer_load``).
 The values are absolute, so a lost message is made good by the next. A replica that stops sends a
-final message; one that goes silent for ``expire_s`` is forgotten. A message that does not decode
+final message; one that goes silent for ``expire_s`` is forgotten.
+
+With kv-aware's approximate prefix mode a replica also counts the prompts it just routed as the
+engine's predicted blocks until the engine's KV events say what it holds. The same message
+carries those routes (:class:`schemas.records.RoutedPrompt`, block keys packed), and the others
+record them in their own index. A second request with the same new prefix then goes to the same
+engine whichever replica receives it. A message that does not decode
 goes to the dead-letter subject with the reason and is counted, and the rest carry on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
 import os
 import socket
 import time
 import uuid
+from typing import Any
+
+import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -32,6 +42,17 @@ from consumers.bus import DeadLetters, cancel_task
 from router.state import ClusterState
 from schemas import ReplicaLoad, ValidationFailure, decode_event
 from schemas import subjects as S
+from schemas.records import RoutedPrompt, pack_keys
+
+#: a message carries at most this many routed prompts, and this many characters of their keys (a
+#: 35k-token prompt is about 24 KB); beyond, a route is left to the engine's KV events
+MAX_ROUTES = 256
+MAX_ROUTE_BYTES = 512 * 1024
+
+
+def key_array(packed: str) -> np.ndarray:
+    """The ``uint64`` keys of a packed string (validated by :class:`schemas.records.RoutedPrompt`)."""
+    return np.frombuffer(binascii.a2b_base64(packed), dtype="<u8").astype(np.uint64, copy=False)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +65,7 @@ def replica_id() -> str:
 class ReplicaSync:
     def __init__(self, nc, state: ClusterState, *, pool: str, prefix: str | None = None,
                  replica: str | None = None, interval_s: float = 0.01, heartbeat_s: float = 1.0,
-                 expire_s: float = 3.0, registry: CollectorRegistry | None = None):
+                 expire_s: float = 3.0, index: Any = None, registry: CollectorRegistry | None = None):
         if not 0 < interval_s <= heartbeat_s < expire_s:
             raise ValueError("replica sync needs 0 < interval_s <= heartbeat_s < expire_s")
         self.nc = nc
@@ -55,6 +76,9 @@ class ReplicaSync:
         self.interval_s = interval_s
         self.heartbeat_s = heartbeat_s
         self.expire_s = expire_s
+        self.index = index  # the embedded KV index: the others' routes become predicted blocks there
+        self._routes: list[RoutedPrompt] = []  # this replica's routes not yet sent
+        self._routes_bytes = 0
         self.dead = DeadLetters(nc.jetstream(), consumer=f"router-sync-{self.replica}", registry=registry,
                                 prefix=prefix)
         # peer replica -> (its last seq, when heard (monotonic), its pods' counts as added to the state)
@@ -69,6 +93,9 @@ class ReplicaSync:
                                ["direction"], registry=registry)
         self._m_peers = Gauge("infernex_router_sync_peers", "Other router replicas of this pool heard from",
                               registry=registry)
+        self._m_routes = Counter("infernex_router_sync_routes_total", "Routed prompts shared with the other "
+                                 "replicas (sent), taken as predicted blocks (received), or left out of a full "
+                                 "message (dropped)", ["direction"], registry=registry)
         self._m_expired = Counter("infernex_router_sync_expired_total",
                                   "Replicas forgotten because they went silent (their load taken away)",
                                   registry=registry)
@@ -125,22 +152,40 @@ class ReplicaSync:
                 log.warning("replica sync: %s", type(exc).__name__)
             await asyncio.sleep(self.interval_s)
 
+    def add_route(self, model: str, pod: str, keys: Any) -> None:
+        """Share a prompt this replica just sent to ``pod`` (its block keys, the ones it predicted
+        there) with the other replicas, in the next message; nothing while it is alone."""
+        if not self.peers or not len(keys):
+            return
+        r = RoutedPrompt(model=model, pod=pod, keys=pack_keys(keys))
+        if len(self._routes) >= MAX_ROUTES or self._routes_bytes + len(r.keys) > MAX_ROUTE_BYTES:
+            self._m_routes.labels("dropped").inc()  # the others learn it from the engine's KV events
+            return
+        self._routes.append(r)
+        self._routes_bytes += len(r.keys)
+        self._changed.set()
+
     async def tick(self, now: float) -> None:
         """Publish this replica's load if the heartbeat is due, or if it changed and other replicas
         listen; forget replicas gone silent."""
         own = self.state.own_load()
-        if (own != self._sent and self.peers) or now - self._sent_at >= self.heartbeat_s:
-            await self._publish(own)
+        if ((own != self._sent or self._routes) and self.peers) or now - self._sent_at >= self.heartbeat_s:
+            routes, self._routes, self._routes_bytes = self._routes, [], 0
+            await self._publish(own, routes=routes)
             self._sent, self._sent_at = own, now
+            if routes:
+                self._m_routes.labels("sent").inc(len(routes))
         for peer, (_, heard, _) in list(self.peers.items()):
             if now - heard > self.expire_s:
                 log.warning("replica sync: %s silent for %.1fs; its load is forgotten", peer, now - heard)
                 self._forget(peer)
                 self._m_expired.inc()
 
-    async def _publish(self, pods: dict[str, tuple[int, int, int]], final: bool = False) -> None:
+    async def _publish(self, pods: dict[str, tuple[int, int, int]], final: bool = False,
+                       routes: list[RoutedPrompt] | None = None) -> None:
         self._seq += 1
-        msg = ReplicaLoad(replica=self.replica, pool=self.pool, seq=self._seq, ts=time.time(), pods=pods, final=final)
+        msg = ReplicaLoad(replica=self.replica, pool=self.pool, seq=self._seq, ts=time.time(), pods=pods,
+                          routes=routes or [], final=final)
         await self.nc.publish(self.subject, msg.to_json())
         self._m_msgs.labels("sent").inc()
 
@@ -172,6 +217,14 @@ class ReplicaSync:
         else:
             self.peers[load.replica] = (load.seq, now, dict(after))
         self._m_peers.set(len(self.peers))
+        rec = getattr(self.index, "record_route", None)
+        if rec is not None and load.routes:
+            for r in load.routes:
+                try:
+                    rec(r.model, r.pod, keys=key_array(r.keys))
+                except (KeyError, ValueError) as exc:  # e.g. a model this index has no block size for
+                    log.debug("replica sync: route of %s not predicted: %s", r.pod, exc)
+            self._m_routes.labels("received").inc(len(load.routes))
 
     def _forget(self, peer: str) -> None:
         _, _, pods = self.peers.pop(peer)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,6 +167,7 @@ class RouterService:
         self.router = router or Router(cfg.strategy, seed=cfg.seed, default_block_size=cfg.block_size)
         self.state = state or ClusterState(cfg)
         self.index = index
+        self.on_route: Callable[[str, str, Any], None] | None = None  # (model, pod, keys) of a predicted route
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight,
                                      queued=lambda: self.admission.queued)
@@ -802,6 +804,8 @@ class RouterService:
                         held = st0.overlap.get(pod, 0) - st0.predicted.get(pod, 0)
                     if held < len(keys):
                         rec(model, pod, keys=keys[held:] if held > 0 else keys)
+                        if self.on_route is not None:  # the other router replicas (router.replica_sync)
+                            self.on_route(model, pod, keys[held:] if held > 0 else keys)
             except (KeyError, ValueError, TypeError):
                 pass
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import binascii
+import re
 import sys
 from array import array
 from typing import Any, Literal
@@ -178,6 +179,28 @@ class RequestRecord(Event):
                                  "(e2e - TTFT) / (output tokens - 1)")
 
 
+class RoutedPrompt(BaseModel):
+    """A prompt a replica just sent to an engine: its block keys (packed, as
+    :func:`pack_keys`), which the other replicas count as that engine's predicted blocks until
+    its KV events can say so."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="the index model (a LoRA adapter's base)")
+    pod: str = Field(min_length=1)
+    keys: str = Field(description="base64 of the blocks' keys, little-endian uint64 (schemas.records.pack_keys)")
+
+    @field_validator("keys")
+    @classmethod
+    def _packed_keys(cls, v: str) -> str:
+        if len(v) % 4 or not _B64.fullmatch(v) or (len(v) // 4 * 3 - v[-2:].count("=")) % 8:
+            raise ValueError("keys: not the packed form (base64 of whole 8-byte keys)")
+        return v
+
+
+_B64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
 class ReplicaLoad(Event):
     """One router replica's own accounting per engine, for the other replicas of its pool: the
     requests it has in flight there, their prompt tokens, and their prompt tokens not yet
@@ -192,4 +215,7 @@ class ReplicaLoad(Event):
     pods: dict[str, tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt]] = Field(
         default_factory=dict, description="pod -> [requests in flight, their prompt tokens, prompt tokens not yet "
                                           "prefilled]; a pod left out has none")
+    routes: list[RoutedPrompt] = Field(default_factory=list, max_length=1024,
+                                       description="prompts sent since the last message, for the others' "
+                                                   "predicted blocks (kv-aware's approximate prefix mode)")
     final: bool = Field(default=False, description="the replica is stopping: forget its load now")

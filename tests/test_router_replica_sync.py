@@ -202,3 +202,39 @@ async def test_after_a_nats_kill9_the_replicas_find_each_other_and_their_counts_
         for nc in ncs:
             await nc.close()
         server.cleanup()
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_a_prompt_one_replica_routed_is_predicted_on_that_engine_by_the_other(share, nats_config, topology):
+    from simulator.tokenizer import SimpleTokenizer
+
+    es = [await FakeEngine(p).start() for p in ("a", "b", "c")]
+    apps = [RouterApp(RouterConfig(strategy="kv-aware", seed=1, records=False, replica_sync_routes=share,
+                                   backends=[StaticBackend(pod=e.pod, url=e.url, model="m") for e in es]),
+                      nats_config, registry=CollectorRegistry()) for _ in range(2)]
+    prompt = " ".join(f"doc{i}" for i in range(200))  # a long new prefix: no engine has seen it
+    ids = SimpleTokenizer().encode(prompt)
+    try:
+        for app in apps:
+            await app.start("127.0.0.1", 0)
+        one, two = apps
+        assert await wait_for(lambda: one.sync.peers and two.sync.peers, timeout=5)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(one.service.url + "/v1/completions",
+                              json={"model": "m", "prompt": prompt, "max_tokens": 2}) as r:
+                served = (await r.json())["served_by"]
+            held = lambda: {p: m.predicted_blocks for p, m in two.index.match_tokens("m", ids).items()  # noqa: E731
+                            if m.matched_blocks}
+            if share:
+                assert await wait_for(lambda: set(held()) == {served}, timeout=5)
+                assert held()[served] == (len(ids) - 1) // 16  # every reusable block, as predicted
+                async with s.post(two.service.url + "/v1/router/decide", json={"model": "m", "prompt": prompt}) as r:
+                    assert (await r.json())["picked"] == served
+            else:
+                await asyncio.sleep(0.5)  # the load messages have gone both ways meanwhile
+                assert held() == {}
+    finally:
+        for app in apps:
+            await app.stop(drain=False)
+        for e in es:
+            await e.stop()
