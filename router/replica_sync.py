@@ -157,7 +157,7 @@ class ReplicaSync:
         there) with the other replicas, in the next message; nothing while it is alone."""
         if not self.peers or not len(keys):
             return
-        r = RoutedPrompt(model=model, pod=pod, keys=pack_keys(keys))
+        r = RoutedPrompt.model_construct(model=model, pod=pod, keys=pack_keys(keys))  # made here: no re-check
         if len(self._routes) >= MAX_ROUTES or self._routes_bytes + len(r.keys) > MAX_ROUTE_BYTES:
             self._m_routes.labels("dropped").inc()  # the others learn it from the engine's KV events
             return
