@@ -189,6 +189,7 @@ class RouterService:
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
         self.admission = Admission(cfg.admission)
+        self.state.on_peer_change = self._peer_changed  # other router replicas' requests (replica sync)
         self.router.admission = cfg.admission.enabled  # busy filters defer to the queue (issue 22)
         self._limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, self.state.clock) \
             if cfg.rate_limit_rps else None
@@ -573,6 +574,16 @@ class RouterService:
     def _finished(self, b: BackendState, prompt_tokens: int, prefill_tokens_left: int) -> None:
         self.state.finished(b, prompt_tokens, prefill_tokens_left)
         self.admission.finished(b)
+
+    def _peer_changed(self, b: BackendState, inflight: int) -> None:
+        """Another replica's requests on ``b`` went up or down by ``inflight``: the same admission
+        bookkeeping as this replica's own (a backend at its cap is left out; a freed slot wakes a
+        waiter)."""
+        if inflight > 0:
+            self.admission.started(b)
+        else:
+            for _ in range(-inflight):
+                self.admission.finished(b)
 
     def _client_key(self, request: Request) -> str:
         """Who a request counts against for quotas and fairness: its (already checked) API key, or

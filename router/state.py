@@ -49,6 +49,8 @@ class ClusterState:
         # inflight / active_tokens / pending_prefill_tokens beside this replica's own
         self._peer: dict[str, list[int]] = {}
         self.on_own_change: Callable[[], None] | None = None  # called when this replica's own counts change
+        # called with (backend, change of its in-flight count) when another replica's count changes
+        self.on_peer_change: Callable[[BackendState, int], None] | None = None
         # changes whenever a backend's load or health fields may have changed (Router.decide's load_epoch)
         self.epoch = 0
         self.refresh()
@@ -215,6 +217,8 @@ class ClusterState:
             b.inflight = max(0, b.inflight + inflight)
             b.active_tokens = max(0, b.active_tokens + active_tokens)
             b.pending_prefill_tokens = max(0, b.pending_prefill_tokens + pending_prefill_tokens)
+            if inflight and self.on_peer_change is not None:
+                self.on_peer_change(b, inflight)
         if peer == [0, 0, 0]:
             del self._peer[pod]
 

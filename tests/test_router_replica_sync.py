@@ -238,3 +238,45 @@ async def test_a_prompt_one_replica_routed_is_predicted_on_that_engine_by_the_ot
             await app.stop(drain=False)
         for e in es:
             await e.stop()
+
+
+async def test_a_backend_full_with_the_other_replicas_requests_makes_this_one_queue(nats_config, topology):
+    eng = await FakeEngine("a", delay_s=0.25).start()  # 8 tokens: 2 s a request
+    apps = [RouterApp(RouterConfig(strategy="least-load", seed=1, records=False,
+                                   backends=[StaticBackend(pod="a", url=eng.url, model="m", max_inflight=2)]),
+                      nats_config, registry=CollectorRegistry()) for _ in range(2)]
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8}
+    try:
+        for app in apps:
+            await app.start("127.0.0.1", 0)
+        one, two = apps
+        async with aiohttp.ClientSession() as s:
+            async def complete(app):
+                async with s.post(app.service.url + "/v1/completions", json=body) as r:
+                    return r.status, time.monotonic()
+
+            async def until(cond, timeout=5.0) -> float:  # polls every millisecond; when it held
+                end = time.monotonic() + timeout
+                while not cond():
+                    assert time.monotonic() < end, "timed out"
+                    await asyncio.sleep(0.001)
+                return time.monotonic()
+
+            first = [asyncio.create_task(complete(one)) for _ in range(2)]  # a's cap, from the other replica
+            await until(lambda: two.state.get("a").inflight == 2)
+            assert "a" in two.service.admission.full  # at once, not at the next periodic resync (1 s)
+            late = asyncio.create_task(complete(two))
+            await until(lambda: two.service.admission.queued == 1)  # it waits; it is not sent
+            assert len(eng.requests) == 2
+            await until(lambda: two.state.get("a").inflight < 2)  # one of the other replica's has finished
+            t_free = time.monotonic()
+            t_woken = await until(lambda: two.service.admission.queued == 0)
+            assert t_woken - t_free < 0.25  # woken by the news, not by the periodic resync
+            done = await asyncio.gather(*first)
+            status, _ = await late
+            assert [d[0] for d in done] == [200, 200] and status == 200  # woken when the others' finished
+            assert len(eng.requests) == 3 and two.service.admission.queued == 0
+    finally:
+        for app in apps:
+            await app.stop(drain=False)
+        await eng.stop()
