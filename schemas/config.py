@@ -70,6 +70,35 @@ class TopologyConfig(_Section):
     limits: dict[str, StreamLimits] = Field(
         default_factory=dict, description="stream name -> limits overriding the defaults"
     )
+    store_bytes: int | None = Field(
+        default=None, gt=0,
+        description="the JetStream file store each server has (the chart's nats.jetstream.fileStore.size; "
+                    "a number of bytes or a Kubernetes quantity such as 10Gi): each stream without a byte "
+                    "limit of its own gets a share of it (streams.topology.STORE_SHARES), so a busy stream "
+                    "drops its own oldest messages instead of filling the store and stopping every other "
+                    "stream's writes")
+
+    @field_validator("store_bytes", mode="before")
+    @classmethod
+    def _quantity(cls, v):
+        return parse_quantity(v) if isinstance(v, str) else v
+
+
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_quantity(text: str) -> int:
+    """Bytes of a Kubernetes storage quantity: ``10Gi``, ``500M``, ``1048576``."""
+    t = text.strip()
+    num = t.rstrip("kMGTi")
+    unit = t[len(num):]
+    try:
+        if unit not in _UNITS:
+            raise ValueError
+        return int(float(num) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a storage size (e.g. 10Gi, 500M or a number of bytes)") from None
 
 
 class EmbeddedNatsConfig(_Section):

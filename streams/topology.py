@@ -87,6 +87,15 @@ DEFAULT_STREAMS: tuple[StreamSpec, ...] = (
 )
 
 
+#: the share of ``TopologyConfig.store_bytes`` each stream may hold when no byte limit is configured
+#: for it (0.9 in all: the rest is the store's own overhead). Router records and KV events grow with
+#: traffic; metrics and telemetry with the number of engines and devices.
+STORE_SHARES: dict[str, float] = {
+    "KV_EVENTS": 0.30, "ENGINE": 0.08, "DEVICE_TELEMETRY": 0.08, "DIAGNOSIS": 0.04, "ROUTER": 0.30,
+    "AUTOSCALE": 0.02, "DLQ": 0.08,
+}
+
+
 def build_topology(config: TopologyConfig | None = None, prefix: str | None = None) -> tuple[StreamSpec, ...]:
     """The streams for a deployment: defaults, then the config's overrides.
 
@@ -108,6 +117,8 @@ def build_topology(config: TopologyConfig | None = None, prefix: str | None = No
         )
         if lim is not None:
             spec = replace(spec, max_age_s=lim.max_age_s, max_bytes=lim.max_bytes, max_msgs=lim.max_msgs)
+        if config.store_bytes and spec.max_bytes <= 0:
+            spec = replace(spec, max_bytes=int(config.store_bytes * STORE_SHARES[spec.name]))
         if spec.duplicate_window_s > spec.max_age_s:
             raise ValueError(f"{spec.name}: duplicate window longer than max age")
         if prefix:

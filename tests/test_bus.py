@@ -133,3 +133,36 @@ async def test_failed_dead_letter_is_counted_not_raised(nc, prefix):
                                 {"stream": "kv-events", "consumer": "c"}) == 1
     assert reg.get_sample_value("infernex_dead_letters_total",
                                 {"stream": "kv-events", "consumer": "c", "reason": "invalid"}) is None
+
+
+def test_store_budget_gives_every_stream_a_share_and_an_own_limit_wins():
+    from streams.topology import STORE_SHARES
+
+    topo = build_topology(TopologyConfig(store_bytes="10Gi",
+                                         limits={"DLQ": StreamLimits(max_age_s=3600, max_bytes=5000)}))
+    got = {s.name: s.max_bytes for s in topo}
+    assert got["DLQ"] == 5000 and got["ROUTER"] == int(10 * 2**30 * STORE_SHARES["ROUTER"])
+    assert set(STORE_SHARES) == set(got) and sum(STORE_SHARES.values()) <= 0.9
+    assert all(s.discard == "old" for s in topo)  # a full share drops its oldest, never refuses a write
+    assert TopologyConfig(store_bytes="500M").store_bytes == 500 * 10**6
+    assert TopologyConfig(store_bytes=1234).store_bytes == 1234
+    assert all(s.max_bytes == -1 for s in build_topology())  # no budget given (infernex up): unlimited
+    with pytest.raises(ValueError, match="not a storage size"):
+        TopologyConfig(store_bytes="ten gigs")
+
+
+async def test_a_stream_at_its_share_drops_its_oldest_and_keeps_taking_writes(nc, prefix):
+    js = nc.jetstream()
+    specs = build_topology(TopologyConfig(store_bytes=400_000), prefix=prefix)  # ROUTER: 120 kB
+    await bus.apply_topology(js, specs)
+    router = next(s for s in specs if s.logical == S.ROUTER)
+    try:
+        subject = S.with_prefix(prefix, S.router_requests("p"))
+        for i in range(100):  # 100 x 4 kB: over three times the share
+            ack = await bus.publish(js, subject, b"x" * 4000, msg_id=f"r{i}")
+            assert ack.seq == i + 1
+        info = await js.stream_info(router.name)
+        assert info.state.bytes <= router.max_bytes and info.state.last_seq == 100 and info.state.first_seq > 1
+    finally:
+        for spec in specs:
+            await js.delete_stream(spec.name)

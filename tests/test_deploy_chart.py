@@ -336,6 +336,15 @@ def test_nats_production_cluster(tmp_path):
     env = {e["name"]: e.get("value") for e in container(router, "router")["env"]}
     assert env["INFERNEX_TOPOLOGY__REPLICAS"] == "3"
     assert env["INFERNEX_NATS__SERVERS"] == "nats://infernex-nats.ai-inference.svc:4222"
+    # every stream gets a share of the JetStream store the chart gives each server
+    settings = yaml.safe_load(one(docs, "ConfigMap", "infernex-config")["data"]["config.yaml"])
+    from schemas.config import TopologyConfig
+    from streams.topology import build_topology
+
+    topo = TopologyConfig(**settings["topology"])
+    assert "max_file_store: 50Gi" in conf and topo.store_bytes == 50 * 2**30
+    assert all(0 < s.max_bytes for s in build_topology(topo))
+    assert sum(s.max_bytes for s in build_topology(topo)) <= 0.9 * topo.store_bytes
     # nats-server itself accepts the configuration.
     binary = _nats_server()
     path = tmp_path / "nats.conf"
