@@ -123,3 +123,44 @@ def test_chart_wires_engine_key_secret_and_admission():
     path = f"{mount['mountPath']}/{vol['secret']['items'][0]['path']}"
     assert str(router.engine_api_key_file) == path
     assert "engine-auth" not in str(render(None))  # off unless a Secret is named
+
+
+def test_replicas_apart_alert_fires_when_a_router_replica_hears_fewer_than_the_others(tmp_path):
+    promtool = promtool_binary()
+    if promtool is None:
+        pytest.skip("promtool not found: install the Debian package 'prometheus' (apt-get install -y prometheus)")
+    groups, alerts = _alerts()
+    assert "InferNexRouterReplicasApart" in alerts  # two replicas by default
+    assert "InferNexRouterReplicasApart" not in _alerts(["hermes-router.replicas=1"])[1]
+    assert "InferNexRouterReplicasApart" not in _alerts(["global.settings.router.replica_sync=false"])[1]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+
+    def peers(pod: str, values: str) -> dict:
+        return {"series": f'infernex_router_sync_peers{{namespace="ai-inference",service="infernex-router",'
+                          f'pod="{pod}"}}', "values": values}
+
+    test = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            # both hear each other for 10 minutes, then one loses the other for 10 minutes
+            "input_series": [peers("r-0", "1x10 0x10"), peers("r-1", "1x20")],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "InferNexRouterReplicasApart", "exp_alerts": []},
+                {"eval_time": "13m", "alertname": "InferNexRouterReplicasApart", "exp_alerts": []},  # 'for' 5m
+                {"eval_time": "18m", "alertname": "InferNexRouterReplicasApart",
+                 "exp_alerts": [{"exp_labels": {"severity": "warning", "service": "infernex-router"},
+                                 "exp_annotations": {
+                                     "summary": "Router replicas of infernex-router do not hear each other",
+                                     "description": alerts["InferNexRouterReplicasApart"]["annotations"][
+                                         "description"].replace("{{ $value }}", "0")}}]},
+            ],
+        }],
+    }
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    proc = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
