@@ -76,8 +76,10 @@ class RouterApp:
             await self.kube.start()
         self.service = RouterService(self.cfg, state=self.state, index=self.index, registry=self.registry,
                                      records=self.records)
-        if self.sync is not None and self.cfg.replica_sync_routes:
-            self.service.on_route = self.sync.add_route
+        if self.sync is not None:
+            self.service.replicas = self.sync.info
+            if self.cfg.replica_sync_routes:
+                self.service.on_route = self.sync.add_route
         url = await self.service.start(host, port)
         if self.cfg.epp_port is not None:
             from router.epp import start_epp

@@ -152,6 +152,12 @@ class ReplicaSync:
                 log.warning("replica sync: %s", type(exc).__name__)
             await asyncio.sleep(self.interval_s)
 
+    def info(self) -> dict:
+        """This replica's id and the others it hears, with how long ago (for /v1/router/backends)."""
+        now = time.monotonic()
+        return {"self": self.replica, "others": {r: {"heard_s_ago": round(now - heard, 3), "seq": seq}
+                                                  for r, (seq, heard, _) in self.peers.items()}}
+
     def add_route(self, model: str, pod: str, keys: Any) -> None:
         """Share a prompt this replica just sent to ``pod`` (its block keys, the ones it predicted
         there) with the other replicas, in the next message; nothing while it is alone."""

@@ -168,6 +168,7 @@ class RouterService:
         self.state = state or ClusterState(cfg)
         self.index = index
         self.on_route: Callable[[str, str, Any], None] | None = None  # (model, pod, keys) of a predicted route
+        self.replicas: Callable[[], dict] | None = None  # this replica and the others it hears (replica sync)
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight,
                                      queued=lambda: self.admission.queued)
@@ -486,8 +487,12 @@ class RouterService:
             d["cached_blocks"] = sum(info.blocks.values()) if info is not None else 0
             d["cached_blocks_by_tier"] = dict(info.blocks) if info is not None else {}
             d["findings"] = self.state.health.reasons(b.pod)
+            d["inflight_other_replicas"] = self.state.peer_load(b.pod)[0]  # of "inflight" (replica sync)
             out.append(d)
-        return json_response({"strategy": self.router.name, "pool": self.state.pool, "backends": out})
+        body = {"strategy": self.router.name, "pool": self.state.pool, "backends": out}
+        if self.replicas is not None:
+            body["replicas"] = self.replicas()
+        return json_response(body)
 
     def _index_pods(self) -> dict[str, Any]:
         fn = getattr(self.index, "pods", None)

@@ -222,6 +222,11 @@ class ClusterState:
         if peer == [0, 0, 0]:
             del self._peer[pod]
 
+    def peer_load(self, pod: str) -> tuple[int, int, int]:
+        """The other replicas' share of ``pod``'s counts: (in flight, prompt tokens, not yet prefilled)."""
+        q = self._peer.get(pod)
+        return (q[0], q[1], q[2]) if q is not None else (0, 0, 0)
+
     def own_load(self) -> dict[str, tuple[int, int, int]]:
         """This replica's own load per pod (what it tells the other replicas): every pod where it
         has requests in flight, without the other replicas' share."""

@@ -75,6 +75,10 @@ async def test_a_replica_counts_the_others_requests_and_picks_the_engine_idle_fo
             busy = [asyncio.create_task(complete()) for _ in range(len(PODS) - 1)]
             assert await wait_for(lambda: _peer_inflight(two) == len(PODS) - 1, timeout=5)
             assert two.state.own_load() == {}  # all of it is the other replica's
+            async with s.get(two.service.url + "/v1/router/backends") as r:  # what an operator sees
+                seen = await r.json()
+            assert sum(b["inflight_other_replicas"] for b in seen["backends"]) == len(PODS) - 1
+            assert seen["replicas"]["self"] == two.sync.replica and one.sync.replica in seen["replicas"]["others"]
             held = {p for p, (i, _, _) in one.state.own_load().items() if i}
             idle = set(PODS) - held
             assert len(held) == len(PODS) - 1 and len(idle) == 1
