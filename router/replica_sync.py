@@ -211,7 +211,7 @@ class ReplicaSync:
         """Fold one replica's message into the state (the difference from what it said before)."""
         old = self.peers.get(load.replica)
         if old is not None and load.seq <= old[0]:
-            return  # older than what is held (core NATS keeps one publisher's order; a restart resets seq)
+            return  # older than what is held (one connection keeps its order; a restarted replica has a new id)
         before = old[2] if old is not None else {}
         after = {} if load.final else load.pods
         for pod in before.keys() | after.keys():
