@@ -26,7 +26,6 @@ goes to the dead-letter subject with the reason and is counted, and the rest car
 from __future__ import annotations
 
 import asyncio
-import binascii
 import logging
 import os
 import socket
@@ -42,7 +41,7 @@ from consumers.bus import DeadLetters, cancel_task
 from router.state import ClusterState
 from schemas import ReplicaLoad, ValidationFailure, decode_event
 from schemas import subjects as S
-from schemas.records import RoutedPrompt, pack_keys
+from schemas.records import RoutedPrompt, pack_keys, packed_bytes
 
 #: a message carries at most this many routed prompts, and this many characters of their keys (a
 #: 35k-token prompt is about 24 KB); beyond, a route is left to the engine's KV events
@@ -51,8 +50,8 @@ MAX_ROUTE_BYTES = 512 * 1024
 
 
 def key_array(packed: str) -> np.ndarray:
-    """The ``uint64`` keys of a packed string (validated by :class:`schemas.records.RoutedPrompt`)."""
-    return np.frombuffer(binascii.a2b_base64(packed), dtype="<u8").astype(np.uint64, copy=False)
+    """The ``uint64`` keys of a packed string (:func:`schemas.records.pack_keys`)."""
+    return np.frombuffer(packed_bytes(packed, "keys"), dtype="<u8").astype(np.uint64, copy=False)
 
 log = logging.getLogger(__name__)
 

@@ -819,9 +819,10 @@ class RouterService:
                         st0 = d.stages[0]
                         held = st0.overlap.get(pod, 0) - st0.predicted.get(pod, 0)
                     if held < len(keys):
-                        rec(model, pod, keys=keys[held:] if held > 0 else keys)
+                        todo = keys[held:] if held > 0 else keys
+                        rec(model, pod, keys=todo)
                         if self.on_route is not None:  # the other router replicas (router.replica_sync)
-                            self.on_route(model, pod, keys[held:] if held > 0 else keys)
+                            self.on_route(model, pod, todo)
             except (KeyError, ValueError, TypeError):
                 pass
 

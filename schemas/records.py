@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import binascii
-import re
 import sys
 from array import array
 from typing import Any, Literal
@@ -33,14 +32,21 @@ def pack_keys(keys: Any) -> str:
     return binascii.b2a_base64(raw, newline=False).decode("ascii")
 
 
-def unpack_keys(text: str) -> list[int]:
-    """The keys of :func:`pack_keys`; ValueError when ``text`` is not that form."""
+def packed_bytes(text: str, field: str = "prefix_keys") -> bytes:
+    """The little-endian key bytes of a :func:`pack_keys` string; ValueError (naming ``field``)
+    when ``text`` is not that form."""
     try:
         raw = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
     except (binascii.Error, UnicodeEncodeError) as exc:
-        raise ValueError(f"prefix_keys: not base64 ({exc})") from None
+        raise ValueError(f"{field}: not base64 ({exc})") from None
     if len(raw) % 8:
-        raise ValueError(f"prefix_keys: {len(raw)} bytes of base64 is not a whole number of 8-byte keys")
+        raise ValueError(f"{field}: {len(raw)} bytes of base64 is not a whole number of 8-byte keys")
+    return raw
+
+
+def unpack_keys(text: str) -> list[int]:
+    """The keys of :func:`pack_keys`; ValueError when ``text`` is not that form."""
+    raw = packed_bytes(text)
     a = array("Q")
     a.frombytes(raw)
     if sys.byteorder == "big":
@@ -193,12 +199,8 @@ class RoutedPrompt(BaseModel):
     @field_validator("keys")
     @classmethod
     def _packed_keys(cls, v: str) -> str:
-        if len(v) % 4 or not _B64.fullmatch(v) or (len(v) // 4 * 3 - v[-2:].count("=")) % 8:
-            raise ValueError("keys: not the packed form (base64 of whole 8-byte keys)")
+        packed_bytes(v, "keys")
         return v
-
-
-_B64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
 class ReplicaLoad(Event):
