@@ -36,7 +36,14 @@ def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool,
             # the router hashed the prompt already (its predictions take the same keys)
             from streams.kv_index import prefix_keys
 
-            matches = index_view.match_keys(model, prefix_keys(pk[1], n // pk[0]))
+            keys = prefix_keys(pk[1], n // pk[0])
+            counts = getattr(index_view, "match_counts", None)
+            if counts is not None:  # the embedded KvIndex: the counts alone, no PodMatch per pod
+                out, pred = counts(model, keys)
+                if predicted is not None:
+                    predicted.update(pred)
+                return out
+            matches = index_view.match_keys(model, keys)
         elif req.lora is None and req.cache_salt is None:
             matches = index_view.match_tokens(model, req.token_ids[:n])
         else:

@@ -607,7 +607,8 @@ def _clear_holder_into(kt, em, ex, kt2, em2, ex2, sz, cnt, W, slot, tier):
 
 @njit(cache=True)
 def pred_record(pk, pe, pef, psz, slot, keys, exp):
-    """Predict that pod ``slot`` holds ``keys`` (non-zero) until ``exp``."""
+    """Predict that pod ``slot`` holds ``keys`` until ``exp`` (a zero key, the tables' empty
+    mark, is skipped)."""
     word = 1 + slot // 64
     if word >= pk.shape[1]:
         return  # (the caller widens the masks first)
@@ -615,6 +616,8 @@ def pred_record(pk, pe, pef, psz, slot, keys, exp):
     b = U64(slot + 1)
     for j in range(len(keys)):
         k = keys[j]
+        if k == U64(0):
+            continue
         r = _kt_find_or_insert(pk, psz, k)
         pk[r, word] |= bit
         i = _p_find(pe, k, b)
@@ -639,6 +642,8 @@ def pred_expire(pk, pe, pef, psz, W, slot, keys, now, force):
     b = U64(slot + 1)
     for j in range(len(keys)):
         k = keys[j]
+        if k == U64(0):
+            continue  # (never recorded)
         i = _p_find(pe, k, b)
         if i < 0:
             continue

@@ -158,6 +158,7 @@ class _NoPredictions(dict):
 
 
 _NO_PRED = _NoPredictions()
+_NO_TIERS = np.zeros((0, 1), dtype=np.int64)  # a query without per-category counts
 
 
 def _as_key_array(keys: Sequence[int]) -> np.ndarray:
@@ -172,14 +173,6 @@ def _as_key_array(keys: Sequence[int]) -> np.ndarray:
         return np.frombuffer(array("Q", keys), dtype=np.uint64)
     except (OverflowError, TypeError):
         raise ValueError("block keys must be integers in [0, 2**64)") from None
-
-
-def _key_array(keys: Sequence[int]) -> np.ndarray:
-    """Block keys as a uint64 array without zeros (0 marks an empty row in the tables)."""
-    karr = _as_key_array(keys)
-    if len(karr) and not karr.all():
-        karr = karr[karr != 0]
-    return karr
 
 
 # ------------------------------------------------------------------------------------ results
@@ -898,7 +891,7 @@ class KvIndex:
             if bs is None:
                 return  # no block size known (no events, no default): nothing can be keyed
             keys = block_keys(token_ids, bs, lora=lora, salt=salt)
-        karr = _key_array(keys)
+        karr = _as_key_array(keys)  # (a zero key, the tables' empty mark, is skipped by the kernel)
         if not len(karr):
             return
         now = self.clock.now()
@@ -1026,6 +1019,46 @@ class KvIndex:
         walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), m.pk if predicting else _NO_PRED[W],
                             m.torder, matched, tiers)
         return self._results(m, walked, matched, tiers, pods)
+
+    def match_counts(self, model: str, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """:meth:`match_keys` reduced to what a routing decision reads, per pod holding at least
+        the first block: ``(matched blocks, exact or predicted; of those, predicted only)``. No
+        tier detail, no :class:`PodMatch` per pod: the router asks this once per request."""
+        m = self._models.get(model)
+        if m is None or not len(keys):
+            return {}, {}
+        if self._pred_heap:
+            self._expire(self.clock.now())
+        predicting = bool(m.psz[0])
+        if not m.T and not predicting:
+            return {}, {}
+        try:
+            karr = _as_key_array(keys)
+        except ValueError:
+            return {}, {}  # not keys of ours: nothing can match
+        W = m.W
+        matched = np.zeros(64 * W, dtype=np.int64)
+        # per category counts only to tell predicted blocks apart (column T)
+        tiers = np.zeros((64 * W, m.T + 1), dtype=np.int64) if predicting else _NO_TIERS
+        walked = core.query(m.kt, W, karr, self._allowed_words(None, W), m.pk if predicting else _NO_PRED[W],
+                            m.torder, matched, tiers)
+        out: dict[str, int] = {}
+        pred: dict[str, int] = {}
+        if walked:
+            by_slot = self._by_slot
+            ml = matched[:self._next_slot].tolist()
+            if predicting:
+                pl = tiers[:self._next_slot, m.T].tolist()
+                for s, mb in enumerate(ml):
+                    if mb and (p := by_slot.get(s)) is not None:
+                        out[p.name] = mb
+                        if pl[s]:
+                            pred[p.name] = pl[s]
+            else:
+                for s, mb in enumerate(ml):
+                    if mb and (p := by_slot.get(s)) is not None:
+                        out[p.name] = mb
+        return out, pred
 
     def _results(self, m: _Model, walked: int, matched: np.ndarray, tiers: np.ndarray,
                  pods: list[str] | None) -> dict[str, PodMatch]:

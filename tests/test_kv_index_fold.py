@@ -677,3 +677,40 @@ def test_predictions_across_many_pods_match_a_reference(ops):
         for p in pods:
             if p in info:
                 assert info[p].predicted_blocks == sum(1 for (q, _), e in ref.items() if q == p and e > now)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.lists(st.tuples(st.sampled_from(["p0", "p1", "x", "y"]), st.lists(st.integers(0, 3), min_size=1,
+                                                                                       max_size=4)), max_size=6),
+       st.sampled_from([None, "p1", "x"]), st.lists(st.integers(0, 3), min_size=1, max_size=5))
+def test_match_counts_equal_match_keys(events, routes, removed, query):
+    """The router's lean query (counts per pod, predicted apart) says what match_keys says, with
+    tiers, predictions on exact and approximate pods, and a removed pod's slot."""
+    clock = ManualClock()
+    idx = KvIndex(clock, predicted_ttl_s=120, predict_on_route_ttl_s=2)
+    for b in batches_one_by_one(events):
+        idx.apply(b)
+    for pod, blocks in routes:
+        idx.record_route("m", pod, toks(*blocks))
+    if removed is not None:
+        idx.remove_pod(removed)
+    keys = block_keys(toks(*query), BS)
+    for _ in range(2):  # before and after the exact pods' predictions expire
+        full = idx.match_keys("m", keys)
+        want = {p: m.matched_blocks for p, m in full.items() if m.matched_blocks}
+        want_pred = {p: m.predicted_blocks for p, m in full.items() if m.predicted_blocks}
+        assert idx.match_counts("m", keys) == (want, want_pred)
+        assert idx.match_counts("m", keys.array) == (want, want_pred)
+        clock.advance(5)
+    assert idx.match_counts("other-model", keys) == ({}, {})
+    assert idx.match_counts("m", []) == ({}, {})
+
+
+def test_a_zero_key_is_never_predicted():
+    """0 marks an empty row in the tables: a route's zero key is skipped, the others recorded."""
+    idx = KvIndex(ManualClock())
+    keys = block_keys(toks(1, 2), BS)
+    idx.record_route("m", "x", keys=[keys[0], 0, keys[1]])
+    assert idx.match_counts("m", keys) == ({"x": 2}, {"x": 2})
+    assert idx.match_counts("m", [0]) == ({}, {})
+    assert idx.pods()["x"].predicted_blocks == 2
