@@ -7,7 +7,8 @@ concurrent clients, and the time of one routing decision.
 ``--router-tokenizer PATH`` has our routers tokenize with that ``tokenizer.json`` (the fake
 engines do not care). ``--prompt-chars N`` sends prompts of N characters (from a pool of distinct prompts: one of 8
 shared documents, 80% of the text, then a fresh question; see bench/tokenizer_speed.py) instead
-of the short "hello bench". ``--before-ref REF`` runs the same strategies a second time from the
+of the short "hello bench"; with ``--fresh`` no flat-out request repeats a prompt (by default each
+round resends the pool's first prompts, whose pieces the tokenizer memo then holds). ``--before-ref REF`` runs the same strategies a second time from the
 code at git REF (extracted with ``git archive``), side by side in the same run. ``--peers`` names
 peer routers to create in a cache venv (bench/peers.py) when the current interpreter lacks them.
 
@@ -108,6 +109,7 @@ async def wait_post(url, timeout=60.0):
 
 BODY = {"model": "m", "prompt": "hello bench", "max_tokens": 2}
 BODIES = [BODY]
+FRESH = None  # --fresh: one counter over every flat-out request of the run, so no prompt comes twice
 
 
 def _bench_module(name):
@@ -141,7 +143,8 @@ async def concurrent(url, clients, total, lat: list | None = None):
         while done + errors < total:
             done += 1
             t0 = time.perf_counter()
-            async with s.post(url + "/v1/completions", json=BODIES[done % len(BODIES)]) as r:
+            body = BODIES[next(FRESH) % len(BODIES)] if FRESH is not None else BODIES[done % len(BODIES)]
+            async with s.post(url + "/v1/completions", json=body) as r:
                 await r.read()
                 if r.status != 200:
                     errors += 1
@@ -209,7 +212,9 @@ async def main_async(args):
             trees.append((" before", os.path.abspath(args.baseline)))
         if args.before_ref:
             trees.append((f" @{args.before_ref}", _bench_module("peers").extract_ref(args.before_ref)))
-        for strategy in args.strategies.split(","):
+        for spec in args.strategies.split(","):
+            strategy, *assigns = spec.split("+")  # NAME[+ENV=VALUE...]: our router with these settings
+            env = dict(a.split("=", 1) for a in assigns)
             for tag, tree in trees:
                 port = free_port()
                 cmd = [PY, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
@@ -217,7 +222,7 @@ async def main_async(args):
                     cmd += ["--tokenizer", os.path.abspath(args.router_tokenizer)]
                 for i, u in enumerate(urls):
                     cmd += ["-b", f"fake-{i}={u}@m"]
-                contenders.append((f"infernex {strategy}{tag}", cmd, port, tree))
+                contenders.append((f"infernex {spec}{tag}", cmd, port, tree, env))
         peers = [p for p in args.peers.split(",") if p]
         for mod, label in (("sglang_router", "sglang-router"), ("vllm_router", "vllm-router")):
             py = PY if importlib.util.find_spec(mod) is not None else None
@@ -232,10 +237,10 @@ async def main_async(args):
                 cmd = [py, "-m", f"{mod}.launch_router", "--worker-urls", *urls, "--policy", policy,
                        "--port", str(port), "--prometheus-port", str(free_port()),
                        "--log-level", "warn" if mod == "sglang_router" else "warning"]
-                contenders.append((f"{label} {policy}", cmd, port, ROOT))
+                contenders.append((f"{label} {policy}", cmd, port, ROOT, {}))
         live = []
-        for label, cmd, port, tree in contenders:
-            env = dict(os.environ, PYTHONPATH=tree)
+        for label, cmd, port, tree, extra in contenders:
+            env = dict(os.environ, PYTHONPATH=tree, **extra)
             rp = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(rp)
             rurl = f"http://127.0.0.1:{port}"
@@ -300,7 +305,12 @@ def main():
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--prompt-chars", type=int, default=0, help="prompts of this many characters (0: short)")
     ap.add_argument("--prompt-pool", type=int, default=4000, help="distinct prompts with --prompt-chars")
-    ap.add_argument("--strategies", default="round-robin,kv-aware")
+    ap.add_argument("--fresh", action="store_true",
+                    help="flat-out requests never repeat a prompt (each question new to every router, as in "
+                         "production) instead of each round resending the pool's first prompts; sizes the pool to fit")
+    ap.add_argument("--strategies", default="round-robin,kv-aware",
+                    help="our routers, comma-separated: NAME[+ENV=VALUE...] (a strategy and settings, e.g. "
+                         "kv-aware+INFERNEX_ROUTER__TOKENIZE_THREADS=0)")
     ap.add_argument("--before-ref", default=None, help="also run the strategies from this git ref")
     ap.add_argument("--peers", default="", help="peer routers to install in a cache venv, e.g. sglang-router")
     ap.add_argument("--peer-policies", default="round_robin,cache_aware")
@@ -311,12 +321,19 @@ def main():
     ap.add_argument("--baseline", default=None,
                     help="source tree of an earlier version: its router runs in the same rounds ('before ...')")
     args = ap.parse_args()
+    if args.fresh:
+        global FRESH
+        import itertools
+
+        FRESH = itertools.count(args.requests + 100)  # after the prompts of the sequential requests
+        n_routers = len(args.strategies.split(",")) * (2 if args.before_ref or args.baseline else 1) + 4
+        args.prompt_pool = max(args.prompt_pool, (args.requests + 100) + (args.rounds + 1) * n_routers * args.requests)
     if args.prompt_chars:
         prompts = _bench_module("tokenizer_speed").make_prompts(args.prompt_pool, args.prompt_chars)
         BODIES[:] = [{"model": "m", "prompt": p, "max_tokens": 2} for p in prompts]
         print(f"prompts: {len(prompts)} distinct of {args.prompt_chars} chars")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    for name, (p50, p99, o50, o99) in decision_time(args.backends).items():
+    for name, (p50, p99, o50, o99) in ({} if args.fresh else decision_time(args.backends)).items():
         print(f"decide {name:<12} over {args.backends} backends: with index lookup p50 {p50:.1f} us "
               f"p99 {p99:.1f} us | decision alone p50 {o50:.1f} us  p99 {o99:.1f} us")
     if not args.skip_http:

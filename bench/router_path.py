@@ -2,7 +2,7 @@
 HTTP figure holds besides HTTP, measured with far less noise, side by side with older code.
 
     python -P bench/router_path.py [--strategies kv-aware,round-robin] [--requests 4000] [--reps 5]
-        [--prompt-chars 7400] [--before-ref REF]
+        [--prompt-chars 7400] [--before-ref REF] [--router-tokenizer tests/fixtures/tokenize]
 
 Per request, as ``RouterService`` does it for a non-streamed completion: the body decoded, the
 routing request (tokenizing the prompt for strategies that read prefixes), the decision (block
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
 import asyncio, importlib.util, json, os, sys, time
-tree, strategy, n, chars = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tree, strategy, n, chars, tok = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 sys.path.insert(0, tree)
 spec = importlib.util.spec_from_file_location("tsp", os.path.join(sys.argv[5], "tokenizer_speed.py"))
 tsp = importlib.util.module_from_spec(spec); spec.loader.exec_module(tsp)
@@ -43,7 +43,7 @@ from simulator.tokenizer import warm_up as warm_tokenizer
 from streams.kv_index import warm_up
 
 cfg = RouterConfig().model_copy(update={"bus": False, "strategy": strategy, "backends": [
-    _parse_backend(f"fake-{i}=http://127.0.0.1:{9000 + i}@m") for i in range(8)]})
+    _parse_backend(f"fake-{i}=http://127.0.0.1:{9000 + i}@m") for i in range(8)], **({"tokenizer": tok} if tok else {})})
 app = RouterApp(cfg)
 warm_up(); warm_tokenizer()
 svc = RouterService(cfg, state=app.state, index=app.index, registry=app.registry, records=None)
@@ -78,9 +78,9 @@ print(json.dumps({"us": (time.process_time() - t) / n * 1e6, "picks": sorted(pic
 """
 
 
-def run_one(tree: str, strategy: str, n: int, chars: int) -> dict:
+def run_one(tree: str, strategy: str, n: int, chars: int, tokenizer: str | None = None) -> dict:
     out = subprocess.run([sys.executable, "-P", "-c", _CHILD, tree, strategy, str(n), str(chars),
-                          os.path.join(ROOT, "bench")], capture_output=True, text=True, cwd=tree)
+                          os.path.join(ROOT, "bench"), tokenizer or ""], capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree} {strategy}: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-chars", type=int, default=7400)
     ap.add_argument("--before-ref", default=None, help="also run the code at this git ref, reps interleaved")
+    ap.add_argument("--router-tokenizer", default=None,
+                    help="tokenize with this tokenizer.json (or its folder), e.g. tests/fixtures/tokenize, instead of the toy one")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     trees = [("this tree", ROOT)]
@@ -106,7 +108,8 @@ def main() -> None:
         spread = {}
         for _ in range(args.reps):
             for label, tree in trees:
-                r = run_one(tree, strategy, args.requests, args.prompt_chars)
+                r = run_one(tree, strategy, args.requests, args.prompt_chars,
+                            args.router_tokenizer and os.path.abspath(args.router_tokenizer))
                 got[label].append(r["us"])
                 spread[label] = r["picks"]
         for label, _ in trees:

@@ -75,6 +75,15 @@ class RouterConfig(_S):
     tokenizer: str | None = Field(default="auto", description="'auto' (the model's tokenizer.json if on this "
                                   "machine, else the toy one), 'simple', a tokenizer.json path, or null")
     tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
+    tokenize_threads: int = Field(
+        default=2, ge=0, le=64,
+        description="threads that tokenize long prompts with a tokenizer.json (whose encoder releases the GIL) "
+                    "while the event loop serves other requests; 0: on the event loop. The toy tokenizer always "
+                    "runs on the loop")
+    tokenize_offload_bytes: int = Field(
+        default=4096, ge=0,
+        description="request bodies at least this large are tokenized on those threads (below, handing the work "
+                    "over costs more than it frees)")
     block_size: int = Field(default=16, gt=0)
     route_prediction_ttl_s: float = Field(
         default=30.0, gt=0, description="strategies with an 'approximate' prefix scorer: how long a request's "

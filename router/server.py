@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.Client
 _RID = "rid"
 _JSON = "application/json"
 _BACKEND_HEADER = "X-InferNex-Backend"
+_UNSET: Any = object()  # (an argument not given)
 # sent as they are to a backend serving the body's model
 _PASSTHROUGH = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/tokenize": "tokenize",
                 "/detokenize": "detokenize"}
@@ -186,6 +188,10 @@ class RouterService:
         self.pd = PdProtocol(cfg.pd)
         self._capture = BackendCapture()  # the backends each decision read, for its record
         self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
+        # long prompts' tokenizing, off the event loop (a tokenizer.json's encoder releases the GIL);
+        # the threads start with the first such prompt
+        self._tok_threads = cfg.tokenize_threads if cfg.tokenizer is not None else 0
+        self._tok_pool: ThreadPoolExecutor | None = None
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
@@ -271,6 +277,9 @@ class RouterService:
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
+        if self._tok_pool is not None:
+            self._tok_pool.shutdown(wait=False, cancel_futures=True)
+            self._tok_pool = None
 
     async def _refresher(self) -> None:
         while True:
@@ -539,14 +548,18 @@ class RouterService:
         except openapi.BadRequest as e:
             raise ApiError(400, e.message, code="invalid_value", param=e.param) from None
 
-    def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0) -> RoutingRequest:
+    def _routing_request(self, kind: str, body: dict[str, Any], rid: str, raw_len: int = 0,
+                         ids: Any = _UNSET) -> RoutingRequest:
+        """The request as the strategy reads it; ``ids``: the prompt's token ids when already
+        tokenized (:meth:`_routing_request_async`), else tokenized here when the strategy reads them."""
         st = self.router.strategy
         lora = body.get("lora") if isinstance(body.get("lora"), str) else None
         model = body["model"]
         base = self.state.lora_base(model) if lora is None else None
         # token ids only when the strategy reads them (prefix overlap, PD decider, buckets); an
         # adapter's prompt with its base model's tokenizer, as the engine tokenizes it
-        ids = self.encoder.encode(kind, body, as_array=True, base=base) if (st.needs_overlap or st.pd) else None
+        if ids is _UNSET:
+            ids = self.encoder.encode(kind, body, as_array=True, base=base) if (st.needs_overlap or st.pd) else None
         if ids is None:
             n = max(1, raw_len // 4) if raw_len else len(str(body.get("messages") or body.get("prompt"))) // 4
         else:
@@ -557,6 +570,27 @@ class RouterService:
         mt = body.get("max_completion_tokens") or body.get("max_tokens")
         return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
                               max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
+
+    async def _routing_request_async(self, kind: str, body: dict[str, Any], rid: str, raw_len: int) -> RoutingRequest:
+        """:meth:`_routing_request`; a long prompt is tokenized on the tokenizer threads when its
+        tokenizer releases the GIL (a ``tokenizer.json``), so the event loop serves other requests
+        meanwhile and several prompts are tokenized at once on a machine with the cores."""
+        if not self._tok_threads or raw_len < self.cfg.tokenize_offload_bytes:
+            return self._routing_request(kind, body, rid, raw_len)
+        st = self.router.strategy
+        model = body.get("model")
+        if not (st.needs_overlap or st.pd) or not isinstance(model, str):
+            return self._routing_request(kind, body, rid, raw_len)
+        lora = body.get("lora") if isinstance(body.get("lora"), str) else None
+        base = self.state.lora_base(model) if lora is None else None
+        tok = self.encoder.tokenizer_for(model, base)  # (found and loaded here, on the loop)
+        if tok is None or not getattr(tok, "releases_gil", False):
+            return self._routing_request(kind, body, rid, raw_len)
+        pool = self._tok_pool
+        if pool is None:
+            pool = self._tok_pool = ThreadPoolExecutor(self._tok_threads, thread_name_prefix="router-tokenize")
+        ids = await asyncio.get_running_loop().run_in_executor(pool, self.encoder.encode_with, tok, kind, body)
+        return self._routing_request(kind, body, rid, raw_len, ids)
 
     def _decide(self, rreq: RoutingRequest, flow: _Flow | None = None) -> Decision:
         t = time.perf_counter()
@@ -647,8 +681,9 @@ class RouterService:
         self._check_body(kind, body)
         rid = request[_RID]
         stream = bool(body.get("stream"))
-        flow = _Flow(rid=rid, kind=kind, path=path, body=body, stream=stream, arrival=time.time(),
-                     t0=time.perf_counter(), rreq=self._routing_request(kind, body, rid, len(request.body)),
+        arrival, t0 = time.time(), time.perf_counter()
+        rreq = await self._routing_request_async(kind, body, rid, len(request.body))
+        flow = _Flow(rid=rid, kind=kind, path=path, body=body, stream=stream, arrival=arrival, t0=t0, rreq=rreq,
                      raw=request.body)
         if stream:
             so = body.get("stream_options")

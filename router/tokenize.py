@@ -150,6 +150,12 @@ class PromptEncoder:
         tok = self.tokenizer_for(body.get("model"), base)
         if tok is None:
             return None
+        return self.encode_with(tok, kind, body, as_array=as_array)
+
+    @staticmethod
+    def encode_with(tok: Tokenizer, kind: str, body: dict[str, Any], as_array: bool = True) -> Sequence[int] | None:
+        """:meth:`encode` with the tokenizer already chosen (:meth:`tokenizer_for`): what the router
+        runs on a tokenizer thread, safe there for a tokenizer whose ``releases_gil`` is true."""
         try:
             return request_to_ids(tok, kind, body, as_array=as_array)
         except (ValueError, KeyError, TypeError):

@@ -20,6 +20,7 @@ which the tokenizer runs when it is loaded.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -103,7 +104,10 @@ def cuts(text: str, size: int = PIECE) -> list[int]:
 
 class PieceMemo:
     """Ids of long text from memoized pieces (kept as ``uint32`` arrays). ``encode_batch(texts,
-    add_special_tokens)`` is the tokenizer's own batch encoder returning one id list per text."""
+    add_special_tokens)`` is the tokenizer's own batch encoder returning one id list per text.
+
+    Thread-safe: the memo is read and updated under a lock, the missing pieces are encoded
+    outside it (two threads missing the same piece both encode it; the ids are the same)."""
 
     def __init__(self, encode_batch: Callable[[list[str], bool], list[list[int]]], *, piece: int = PIECE,
                  max_chars: int = MEMO_CHARS):
@@ -112,6 +116,7 @@ class PieceMemo:
         self.max_chars = max_chars
         self._held: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
         self._chars = 0
+        self._lock = threading.Lock()
         self.hits = 0  # pieces taken from the memo
         self.misses = 0  # pieces encoded
 
@@ -129,16 +134,17 @@ class PieceMemo:
         held = self._held
         found: list[np.ndarray | None] = []
         missing: list[int] = []
-        for i, k in enumerate(keys):
-            v = held.get(k)
-            if v is None:
-                missing.append(i)
-                found.append(None)
-            else:
-                held.move_to_end(k)
-                found.append(v[0])
-        self.hits += len(keys) - len(missing)
-        self.misses += len(missing)
+        with self._lock:
+            for i, k in enumerate(keys):
+                v = held.get(k)
+                if v is None:
+                    missing.append(i)
+                    found.append(None)
+                else:
+                    held.move_to_end(k)
+                    found.append(v[0])
+            self.hits += len(keys) - len(missing)
+            self.misses += len(missing)
         if missing:
             first = missing[0] == 0 and add_special_tokens
             if first:  # the first piece with the special tokens, the rest without
@@ -147,14 +153,15 @@ class PieceMemo:
             if rest:
                 for i, ids in zip(rest, self._encode_batch([pieces[i] for i in rest], False)):
                     found[i] = np.array(ids, dtype=np.uint32)
-            for i in missing:
-                old = held.pop(keys[i], None)
-                if old is not None:
-                    self._chars -= old[1]
-                held[keys[i]] = (found[i], len(pieces[i]))
-                self._chars += len(pieces[i])
-            while self._chars > self.max_chars and len(held) > 1:
-                self._chars -= held.popitem(last=False)[1][1]
+            with self._lock:
+                for i in missing:
+                    old = held.pop(keys[i], None)
+                    if old is not None:
+                        self._chars -= old[1]
+                    held[keys[i]] = (found[i], len(pieces[i]))
+                    self._chars += len(pieces[i])
+                while self._chars > self.max_chars and len(held) > 1:
+                    self._chars -= held.popitem(last=False)[1][1]
         return np.concatenate(found)
 
 

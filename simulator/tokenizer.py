@@ -331,6 +331,7 @@ class SimpleTokenizer:
     """
 
     RESERVED = 16  # ids below this are never produced from text
+    releases_gil = False  # its kernels and memo run under the GIL: tokenize it on the event loop
 
     def __init__(self, vocab_size: int = 32_000, memo_pieces: int = 65_536):
         if vocab_size <= self.RESERVED * 2:
@@ -494,7 +495,13 @@ class SimpleTokenizer:
 # ---------------------------------------------------------------- Hugging Face tokenizer.json
 
 class HFTokenizer:
-    """A Hugging Face fast tokenizer from a local ``tokenizer.json`` (file or its directory)."""
+    """A Hugging Face fast tokenizer from a local ``tokenizer.json`` (file or its directory).
+
+    Thread-safe, and its encoding runs without the GIL (``tokenizers``' batch encoder releases
+    it; its single-text ``encode`` does not, so text is encoded as a batch of one): a router
+    tokenizes long prompts on worker threads while its event loop serves other requests."""
+
+    releases_gil = True
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _HF
@@ -531,7 +538,8 @@ class HFTokenizer:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # a batch of one: the same ids as encode(), with the GIL released while it runs
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _from_pieces(self, text: str, specials: bool) -> np.ndarray | None:
         if self.pieces is None or len(text) < 2 * self.pieces.piece:
