@@ -234,3 +234,25 @@ async def test_streamed_mode_routes_on_the_headers_and_passes_chunks(epp):
     assert set_headers(out[0].request_headers.response)[P.DESTINATION] == "10.0.0.2:8000"
     assert [m.WhichOneof("response") for m in out[1:]] == ["request_body"] * 2
     assert not any(m.request_body.response.body_mutation.ListFields() for m in out[1:])
+
+
+async def test_a_long_prompt_is_tokenized_on_the_tokenizer_threads(epp):
+    """The picker hands a long prompt to the router's tokenizer threads (a tokenizer.json releases
+    the GIL), as the HTTP router does; a short one is tokenized on the loop."""
+    import threading
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "tokenize"
+    svc, _, stub, _ = await epp(tokenizer=str(fixture), tokenize_threads=2, tokenize_offload_bytes=4096)
+    seen: list[tuple[str, int]] = []
+    real = svc.encoder.encode_with
+
+    def encode_with(tok, kind, body, as_array=True):
+        seen.append((threading.current_thread().name, len(body["messages"][0]["content"])))
+        return real(tok, kind, body, as_array=as_array)
+
+    svc.encoder.encode_with = encode_with
+    for content in ("the cache router " * 400, "hello"):
+        out = await converse(stub, [headers_msg(), *body_msgs(chat(content))])
+        assert P.DESTINATION in set_headers(out[0].request_headers.response)
+    assert [(name.startswith("router-tokenize"), n) for name, n in seen] == [(True, 6800), (False, 5)]

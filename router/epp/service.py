@@ -117,8 +117,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     break
         return out
 
-    def pick(self, r: _Req) -> tuple[pb.CommonResponse, Any]:
-        """Run the strategy on the request; the mutation and metadata that carry the pick."""
+    async def pick(self, r: _Req) -> tuple[pb.CommonResponse, Any]:
+        """Run the strategy on the request; the mutation and metadata that carry the pick. A long
+        prompt is tokenized on the router's tokenizer threads (RouterService._routing_request_async)."""
         svc = self.svc
         cands = self._candidates(r.subset)
         if r.subset is not None and not cands:
@@ -138,7 +139,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         except ApiError as e:
             raise self._reject(e.status, e.message, str(e.code or "invalid_request"), e.type) from None
         rid = r.headers.get("x-request-id") or ""
-        rreq = svc._routing_request(kind, body, rid, len(r.body))
+        rreq = await svc._routing_request_async(kind, body, rid, len(r.body))
         t = time.perf_counter()
         st = svc.state
         now = st.clock.now()
@@ -244,7 +245,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                                     "or BUFFERED")
                     if req.request_headers.end_of_stream or r.streamed:
                         try:
-                            common, md = self.pick(r)
+                            common, md = await self.pick(r)
                         except _Reject as rej:
                             yield rej.response
                             return
@@ -266,7 +267,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                             yield P.body_response()
                         continue
                     try:
-                        common, md = self.pick(r)
+                        common, md = await self.pick(r)
                     except _Reject as rej:
                         yield rej.response
                         return
@@ -279,7 +280,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 elif which == "request_trailers":
                     if r.duplex and not r.picked:  # the body ended with the trailers
                         try:
-                            common, md = self.pick(r)
+                            common, md = await self.pick(r)
                         except _Reject as rej:
                             yield rej.response
                             return
