@@ -166,3 +166,16 @@ def test_the_memo_is_bounded_by_characters(fixture_tok):
         memo.encode(_text(rnd, 80), False)
     assert memo._chars <= 2000 + 200  # one piece past the bound at most before eviction
     assert sum(c for _, c in memo._held.values()) == memo._chars
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 400), st.booleans())
+def test_the_offset_free_batch_encoder_gives_encode_s_ids(seed, n_words, specials):
+    """HFTokenizer encodes with tokenizers' batch encoder without offsets (a batch of one for whole
+    text, so the GIL is released): the ids of its plain single-text encode, whatever the text."""
+    tok = _fixture_tokenizer()
+    text = _text(random.Random(seed), n_words)
+    want = tok._tok.encode(text, add_special_tokens=specials).ids
+    assert tok._encode_whole(text, specials) == want
+    assert tok._encode_batch([text, text[: len(text) // 2]], specials) == [
+        want, tok._tok.encode(text[: len(text) // 2], add_special_tokens=specials).ids]
