@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from prometheus_client import CollectorRegistry
 
@@ -41,6 +42,11 @@ class RouterApp:
         from streams.kv_index import warm_up
 
         await asyncio.to_thread(warm_up)  # the KV index kernels, before the first event or request
+        if self.cfg.tokenize_threads and "TOKENIZERS_PARALLELISM" not in os.environ:
+            # the router's tokenizer threads run prompts side by side; tokenizers' own thread pool
+            # within each prompt then only adds its workers' spinning (about 15% more CPU per
+            # request on 7.4k-character prompts: bench/RESULTS.md, session 14). Read per call.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         if self.cfg.tokenizer is not None:
             from simulator.tokenizer import warm_up as warm_tokenizer
 
