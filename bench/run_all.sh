@@ -26,6 +26,8 @@ run bursts-trace "$P" -P bench/shared_prefix_trace.py --out "$OUT/bursts.jsonl"
 run quality-http-bursts "$P" -P bench/routing_http.py --trace "$OUT/bursts.jsonl" --skip 0 --requests 400 --time-scale 4 --rounds 3 --replicas 2 -r kv-aware -r kv-aware+INFERNEX_ROUTER__REPLICA_SYNC_ROUTES=false
 run quality-http-replicas "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 3 --replicas 2 -r kv-aware -r kv-aware+INFERNEX_ROUTER__REPLICA_SYNC=false -r sglang:cache_aware
 run router-long-hf "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3 --router-tokenizer tests/fixtures/tokenize
+run router-path "$P" -P bench/router_path.py --reps 5
+run router-fresh-32k "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3 --fresh --router-tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
 run simulate "$BIN/infernex" simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl -p round-robin -p least-load -p kv-aware -p dynamo-cost --out "$OUT/sim-out"
 run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
 run kvlag "$P" -P bench/kv_index.py --service --events 2000 --rate 5000 --paced-workload steps
