@@ -579,7 +579,8 @@ class RouterService:
             return self._routing_request(kind, body, rid, raw_len)
         st = self.router.strategy
         model = body.get("model")
-        if not (st.needs_overlap or st.pd) or not isinstance(model, str):
+        text = kind == "chat" or isinstance(body.get("prompt"), str)  # (token ids need no tokenizer)
+        if not (st.needs_overlap or st.pd) or not isinstance(model, str) or not text:
             return self._routing_request(kind, body, rid, raw_len)
         lora = body.get("lora") if isinstance(body.get("lora"), str) else None
         base = self.state.lora_base(model) if lora is None else None

@@ -134,3 +134,21 @@ def test_the_piece_memo_is_thread_safe():
     assert memo._chars == sum(n for _, n in memo._held.values())
     assert memo._chars <= memo.max_chars
     assert memo.hits > 0
+
+
+async def test_a_long_list_of_token_ids_is_not_handed_over():
+    """A prompt given as token ids needs no tokenizer: it stays on the loop whatever its size."""
+    engines, svc = await _cluster(tokenizer=str(FIXTURE), tokenize_threads=2, tokenize_offload_bytes=4096)
+    try:
+        calls = _spy(svc, slow_s=0.0)
+        ids = list(range(5, 305)) * 10  # 3,000 ids: a body of about 12 KB
+        async with aiohttp.ClientSession() as s:
+            async with s.post(svc.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+        assert [name for name, _, _ in calls] == [threading.main_thread().name]
+        assert list(calls[0][2]) == ids
+        assert svc._tok_pool is None
+    finally:
+        await svc.stop()
+        for e in engines:
+            await e.stop()
