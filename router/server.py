@@ -555,7 +555,7 @@ class RouterService:
         st = self.router.strategy
         lora = body.get("lora") if isinstance(body.get("lora"), str) else None
         model = body["model"]
-        base = self.state.lora_base(model) if lora is None else None
+        base = self._base_model(body, model)
         # token ids only when the strategy reads them (prefix overlap, PD decider, buckets); an
         # adapter's prompt with its base model's tokenizer, as the engine tokenizes it
         if ids is _UNSET:
@@ -571,6 +571,10 @@ class RouterService:
         return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
                               max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
 
+    def _base_model(self, body: dict[str, Any], model: str) -> str | None:
+        """The base model when ``model`` names a LoRA adapter (and the body names no ``lora``)."""
+        return self.state.lora_base(model) if not isinstance(body.get("lora"), str) else None
+
     async def _routing_request_async(self, kind: str, body: dict[str, Any], rid: str, raw_len: int) -> RoutingRequest:
         """:meth:`_routing_request`; a long prompt is tokenized on the tokenizer threads when its
         tokenizer releases the GIL (a ``tokenizer.json``), so the event loop serves other requests
@@ -582,9 +586,7 @@ class RouterService:
         text = kind == "chat" or isinstance(body.get("prompt"), str)  # (token ids need no tokenizer)
         if not (st.needs_overlap or st.pd) or not isinstance(model, str) or not text:
             return self._routing_request(kind, body, rid, raw_len)
-        lora = body.get("lora") if isinstance(body.get("lora"), str) else None
-        base = self.state.lora_base(model) if lora is None else None
-        tok = self.encoder.tokenizer_for(model, base)  # (found and loaded here, on the loop)
+        tok = self.encoder.tokenizer_for(model, self._base_model(body, model))  # (found and loaded here, on the loop)
         if tok is None or not getattr(tok, "releases_gil", False):
             return self._routing_request(kind, body, rid, raw_len)
         pool = self._tok_pool
