@@ -407,9 +407,14 @@ def _drop_copy(ex, sz, a, b):
 
 
 @njit(cache=True)
-def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, start, stats):
+def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, start, stats, stored_keys, stored_slots,
+              n_stored):
     """Apply operations ``start..`` in order. Returns ``(next op, need flags)``; need is 0 when
     every operation was applied, else the tables to grow before calling again from ``next``.
+
+    When ``stored_keys`` has room (one row per hash of the operations), the key and pod slot of
+    every block stored are written there (``stored_slots``; ``n_stored[0]`` counts them): the
+    caller drops the router's predictions those events confirm (:func:`pred_confirm`).
 
     ``meta`` has a row per operation: kind, holder, parent kind, block size, and the end of
     its hashes and of its tokens in ``hashes`` / ``tokens`` (each starts where the previous
@@ -431,6 +436,7 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
         prev = meta[o, 4]
     keys = np.empty(longest, dtype=np.uint64)
     sink = U64(0)
+    note = stored_keys.shape[0] > 0
     for o in range(start, m):
         holder = meta[o, 1]
         b = U64(holder + 1)
@@ -501,6 +507,12 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
         # a tight loop of independent loads (the hashing above would keep too few in flight)
         for i in range(n):
             sink ^= kt[np.int64(keys[i] & U64(kt_mask)), 0] ^ em[_p_home(hashes[h0 + i], b, em_mask), 1]
+        if note:
+            slot = holder >> TIER_BITS
+            for i in range(n):
+                stored_keys[n_stored[0]] = keys[i]
+                stored_slots[n_stored[0]] = slot
+                n_stored[0] += 1
         for i in range(n):
             k = keys[i]
             h = hashes[h0 + i]
@@ -649,20 +661,44 @@ def pred_expire(pk, pe, pef, psz, W, slot, keys, now, force):
             continue
         if not force and pef[i, 2] > now:
             continue
-        _p_delete(pe, psz, 1, i)
+        _pred_drop(pk, pe, psz, W, word, nb, k, i)
         n += 1
-        r = _kt_find(pk, k)
-        if r < 0:
-            continue
-        pk[r, word] &= nb
-        empty = True
-        for c in range(1, 1 + W):
-            if pk[r, c] != U64(0):
-                empty = False
-                break
-        if empty:
-            _kt_delete(pk, psz, r)
     return n
+
+
+@njit(inline="always", cache=True)
+def _pred_drop(pk, pe, psz, W, word, nb, k, i):
+    """Drop prediction pair row ``i`` (key ``k``) and the pod's bit (``word``, mask ``nb``) in the key table."""
+    _p_delete(pe, psz, 1, i)
+    r = _kt_find(pk, k)
+    if r < 0:
+        return
+    pk[r, word] &= nb
+    for c in range(1, 1 + W):
+        if pk[r, c] != U64(0):
+            return
+    _kt_delete(pk, psz, r)
+
+
+@njit(cache=True)
+def pred_confirm(pk, pe, psz, W, keys, slots, n):
+    """The pods' events say they store these blocks (``keys[j]`` on ``slots[j]``, the first
+    ``n``): their predictions, now redundant, are dropped, so the tables hold only what the
+    events have not confirmed yet, and a block the engine later evicts is not still counted as
+    predicted. Returns how many were dropped."""
+    dropped = 0
+    for j in range(n):
+        k = keys[j]
+        slot = slots[j]
+        word = 1 + slot // 64
+        if k == U64(0) or word >= pk.shape[1]:
+            continue
+        i = _p_find(pe, k, U64(slot + 1))
+        if i < 0:
+            continue
+        _pred_drop(pk, pe, psz, W, word, ~(U64(1) << U64(slot % 64)), k, i)
+        dropped += 1
+    return dropped
 
 
 # ------------------------------------------------------------------------------- queries

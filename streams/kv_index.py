@@ -446,6 +446,7 @@ _HAS_DIGESTS = "block_digests" in BlockStored.model_fields
 
 _NO_U64 = np.zeros(0, dtype=np.uint64)
 _NO_U32 = np.zeros(0, dtype=np.uint32)
+_NO_I64 = np.zeros(0, dtype=np.int64)
 _STAT_FIELDS = ("blocks_stored", "blocks_removed", "unknown_parent", "unknown_parent_blocks", "unknown_removed",
                 "duplicates", "aliases")
 
@@ -529,11 +530,19 @@ class KvIndex:
         hashes = np.frombuffer(ops.hashes, dtype=np.uint64) if ops.hashes else _NO_U64
         tokens = np.frombuffer(ops.tokens, dtype=np.uint32) if ops.tokens else _NO_U32
         stats = np.zeros(core.N_STATS, dtype=np.int64)
+        # with predictions, note the blocks stored: their predictions are then confirmed (dropped)
+        predicting = bool(m.psz[0])
+        n_hashes = len(hashes)
+        stored_keys = np.empty(n_hashes, dtype=np.uint64) if predicting else _NO_U64
+        stored_slots = np.empty(n_hashes, dtype=np.int64) if predicting else _NO_I64
+        n_stored = np.zeros(1, dtype=np.int64)
         start = 0
         while True:
             start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, meta, parents, salts, hashes, tokens, start,
-                                         stats)
+                                         stats, stored_keys, stored_slots, n_stored)
             if not need:
+                if n_stored[0]:
+                    core.pred_confirm(m.pk, m.pe, m.psz, m.W, stored_keys, stored_slots, int(n_stored[0]))
                 break
             n = int(meta[start, 4] - (meta[start - 1, 4] if start else 0))
             if need & core.NEED_KT:

@@ -714,3 +714,70 @@ def test_a_zero_key_is_never_predicted():
     assert idx.match_counts("m", keys) == ({"x": 2}, {"x": 2})
     assert idx.match_counts("m", [0]) == ({}, {})
     assert idx.pods()["x"].predicted_blocks == 2
+
+
+def test_predictions_the_events_confirm_are_dropped():
+    """A route predicts blocks on a pod; once the pod's events store them, the predictions are
+    dropped (the tables keep only what is unconfirmed), so after the engine evicts them the index
+    no longer counts them there: it says what the engine holds."""
+    clock = ManualClock()
+    idx = KvIndex(clock, predicted_ttl_s=120, predict_on_route_ttl_s=30)
+    f = Feed(idx)
+    f("a", stored([1], [1]))  # "a" sends events: an exact pod
+    idx.record_route("m", "a", toks(1, 2, 3, 4))
+    keys = block_keys(toks(1, 2, 3, 4), BS)
+    assert idx.match_counts("m", keys) == ({"a": 4}, {"a": 3})
+    f("a", stored([2, 3], [2, 3], parent=1))  # the prefill ran: its events confirm blocks 2 and 3
+    assert idx.match_counts("m", keys) == ({"a": 4}, {"a": 1})  # block 4 is still only predicted
+    assert idx.pods()["a"].predicted_blocks == 2  # blocks 1 (routed after its event) and 4
+    f("a", BlockRemoved(block_hashes=[2, 3]))  # evicted, well within the route's 30 s
+    assert idx.match_counts("m", keys) == ({"a": 1}, {})  # what "a" holds: block 1
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["route", "store", "remove"]), st.sampled_from(["a", "b"]),
+                          st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=25))
+def test_the_index_counts_the_events_and_the_unconfirmed_routes(steps):
+    """Against a reference: a pod's matched prefix is the longest run of the query's blocks that
+    it either stores (by its events) or was routed and has not stored since."""
+    idx = KvIndex(ManualClock(), predicted_ttl_s=120, predict_on_route_ttl_s=30)
+    f = Feed(idx)
+    held = {"a": set(), "b": set()}  # blocks each pod's events say it stores
+    pred = {"a": set(), "b": set()}  # routed and not stored since
+    for i, (kind, pod, x, y) in enumerate(steps):
+        lo, hi = min(x, y), max(x, y)
+        if i == 0 and kind != "store":
+            kind, lo = "store", 1  # make each pod's first step an event, so both are exact pods
+        if kind == "route":
+            idx.record_route("m", pod, toks(*range(1, hi + 1)))
+            pred[pod] |= set(range(1, hi + 1))
+        elif kind == "store":
+            if lo > 1 and lo - 1 not in held[pod]:
+                lo = 1  # a stored run starts at the root or after a block the pod holds
+            run = []
+            for blk in range(lo, hi + 1):
+                if blk in held[pod]:
+                    break  # an engine stores a block it does not hold (a hash once)
+                run.append(blk)
+            if not run:
+                continue
+            f(pod, stored(run, run, parent=lo - 1 if lo > 1 else None))
+            held[pod] |= set(run)
+            pred[pod] -= set(run)
+        else:
+            gone = [b for b in range(lo, hi + 1) if b in held[pod]]
+            if gone:
+                f(pod, BlockRemoved(block_hashes=gone))
+                held[pod] -= set(gone)
+    keys = block_keys(toks(1, 2, 3, 4, 5, 6), BS)
+    want, want_pred = {}, {}
+    for pod in ("a", "b"):
+        n = 0
+        while n < 6 and (n + 1 in held[pod] or n + 1 in pred[pod]):
+            n += 1
+        if n:
+            want[pod] = n
+            p = sum(1 for b in range(1, n + 1) if b not in held[pod])
+            if p:
+                want_pred[pod] = p
+    assert idx.match_counts("m", keys) == (want, want_pred)
