@@ -88,7 +88,8 @@ class RouterConfig(_S):
     route_prediction_ttl_s: float = Field(
         default=30.0, gt=0, description="strategies with an 'approximate' prefix scorer: how long a request's "
         "blocks count as cached on the engine it was routed to before that engine's KV events say so (cover "
-        "the engine's queueing: its events come only once the prefill ran)")
+        "the engine's queueing: its events come only once the prefill ran); a prediction ends sooner, as soon "
+        "as the engine's events report that block")
     kv_snapshot: str | None = Field(
         default="kv-index-snapshots/kv-indexer",
         description="BUCKET/NAME of the indexer's snapshot object: the embedded KV index starts from it "

@@ -40,9 +40,10 @@ Deliberate handling of bad input (counted in :class:`ApplyStats`, never corrupti
 Approximate mode
     :meth:`KvIndex.record_route` records the router's own decision as predicted blocks with a
     TTL (``predicted_ttl_s`` for pods that never sent events, ``predict_on_route_ttl_s`` for
-    pods that do, to cover sibling requests arriving before the engine's event). Queries merge
-    exact and predicted blocks per pod; :attr:`PodMatch.predicted_blocks` counts the
-    predicted-only part of the matched prefix.
+    pods that do, to cover sibling requests arriving before the engine's event). A pod's
+    ``BlockStored`` event ends its prediction of that block at once (the event confirms it; a
+    later eviction then leaves nothing behind). Queries merge exact and predicted blocks per
+    pod; :attr:`PodMatch.predicted_blocks` counts the predicted-only part of the matched prefix.
 
 Dump
     :meth:`KvIndex.dump` writes the exact state back out as events; restoring is
