@@ -33,3 +33,4 @@ run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
 run kvlag "$P" -P bench/kv_index.py --service --events 2000 --rate 5000 --paced-workload steps
 run replay "$P" -P bench/replay.py --messages 100000 --workers 1,2,4
 (cd "$OUT" && run demo "$BIN/infernex" demo --out "$OUT/demo-out")
+run prediction-tables "$P" -P bench/prediction_tables.py
