@@ -1010,65 +1010,58 @@ class KvIndex:
         """
         if pods is not None:
             pods = list(pods)
-        m = self._models.get(model)
-        if m is None or not len(keys):
-            return self._empty(pods)
-        if self._pred_heap:
-            self._expire(self.clock.now())
-        if not m.T and not m.predicting:
-            return self._empty(pods)
-        try:
-            karr = _as_key_array(keys)
-        except ValueError:
-            return self._empty(pods)  # not keys of ours: nothing can match
-        W = m.W
-        predicting = m.predicting
-        detail = m.multi or predicting
-        matched = np.zeros(64 * W, dtype=np.int64)
-        tiers = np.zeros((64 * W if detail else 0, m.T + 1), dtype=np.int64)
-        walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), m.pk if predicting else _NO_PRED[W],
-                            m.torder, matched, tiers)
-        return self._results(m, walked, matched, tiers, pods)
+        w = self._walk(model, keys, pods, by_tier=True)
+        return self._empty(pods) if w is None else self._results(*w, pods)
 
     def match_counts(self, model: str, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         """:meth:`match_keys` reduced to what a routing decision reads, per pod holding at least
         the first block: ``(matched blocks, exact or predicted; of those, predicted only)``. No
         tier detail, no :class:`PodMatch` per pod: the router asks this once per request."""
+        w = self._walk(model, keys, None, by_tier=False)
+        out: dict[str, int] = {}
+        pred: dict[str, int] = {}
+        if w is None or not w[1]:
+            return out, pred
+        m, _, matched, tiers = w
+        by_slot = self._by_slot
+        ml = matched[:self._next_slot].tolist()
+        if len(tiers):  # (with predictions: column T counts the predicted blocks)
+            pl = tiers[:self._next_slot, m.T].tolist()
+            for s, mb in enumerate(ml):
+                if mb and (p := by_slot.get(s)) is not None:
+                    out[p.name] = mb
+                    if pl[s]:
+                        pred[p.name] = pl[s]
+        else:
+            for s, mb in enumerate(ml):
+                if mb and (p := by_slot.get(s)) is not None:
+                    out[p.name] = mb
+        return out, pred
+
+    def _walk(self, model: str, keys: Sequence[int], pods: list[str] | None,
+              by_tier: bool) -> tuple[_Model, int, np.ndarray, np.ndarray] | None:
+        """The kernel's walk of ``keys``: ``(model, blocks walked, matched per slot, counts per slot
+        and category)``, or None when nothing can match. Counts per category are kept when the
+        model has predictions, and with ``by_tier`` when it has several tiers."""
         m = self._models.get(model)
         if m is None or not len(keys):
-            return {}, {}
+            return None
         if self._pred_heap:
             self._expire(self.clock.now())
-        predicting = bool(m.psz[0])
+        predicting = m.predicting
         if not m.T and not predicting:
-            return {}, {}
+            return None
         try:
             karr = _as_key_array(keys)
         except ValueError:
-            return {}, {}  # not keys of ours: nothing can match
+            return None  # not keys of ours: nothing can match
         W = m.W
         matched = np.zeros(64 * W, dtype=np.int64)
-        # per category counts only to tell predicted blocks apart (column T)
-        tiers = np.zeros((64 * W, m.T + 1), dtype=np.int64) if predicting else _NO_TIERS
-        walked = core.query(m.kt, W, karr, self._allowed_words(None, W), m.pk if predicting else _NO_PRED[W],
+        detail = predicting or (by_tier and m.multi)
+        tiers = np.zeros((64 * W, m.T + 1), dtype=np.int64) if detail else _NO_TIERS
+        walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), m.pk if predicting else _NO_PRED[W],
                             m.torder, matched, tiers)
-        out: dict[str, int] = {}
-        pred: dict[str, int] = {}
-        if walked:
-            by_slot = self._by_slot
-            ml = matched[:self._next_slot].tolist()
-            if predicting:
-                pl = tiers[:self._next_slot, m.T].tolist()
-                for s, mb in enumerate(ml):
-                    if mb and (p := by_slot.get(s)) is not None:
-                        out[p.name] = mb
-                        if pl[s]:
-                            pred[p.name] = pl[s]
-            else:
-                for s, mb in enumerate(ml):
-                    if mb and (p := by_slot.get(s)) is not None:
-                        out[p.name] = mb
-        return out, pred
+        return m, walked, matched, tiers
 
     def _results(self, m: _Model, walked: int, matched: np.ndarray, tiers: np.ndarray,
                  pods: list[str] | None) -> dict[str, PodMatch]:
