@@ -231,15 +231,20 @@ def _peers():
     return _bench_module("peers")
 
 
-async def wait_ready(url: str, timeout: float = 90.0) -> None:
+async def wait_ready(url: str, timeout: float = 90.0, ready_path: str | None = None) -> None:
+    """Until the router serves a completion and, with ``ready_path``, says it is ready there (ours:
+    its KV index has read the KV stream's backlog, which grows with every run of the bench)."""
     import httpx
 
     end = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=5) as c:
+        served = False
         while time.monotonic() < end:
             try:
-                r = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
-                if r.status_code == 200:
+                if not served:
+                    r = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
+                    served = r.status_code == 200
+                if served and (ready_path is None or (await c.get(url + ready_path)).status_code == 200):
                     return
             except httpx.HTTPError:
                 pass
@@ -398,8 +403,11 @@ async def main_async(args) -> None:
                          for cmd in cmds]
                 try:
                     urls = [f"http://127.0.0.1:{pt}" for pt in ports]
+                    ours = not name.startswith(("sglang:", "vllm:"))
+                    t_ready = time.monotonic()
                     for url in urls:
-                        await wait_ready(url)
+                        await wait_ready(url, ready_path="/ready" if ours else None)
+                    ready_s = time.monotonic() - t_ready
                     await asyncio.sleep(1.5)  # load state from the metrics collector
                     s0 = await engine_counters(ctl, engines)
                     cpu0 = sum(_cpu_seconds(pr.pid) for pr in procs)  # start-up (imports, JIT warm-up) left out
@@ -429,7 +437,7 @@ async def main_async(args) -> None:
                        "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1),
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
-                       "decode50": pct(decode, 50), "wall": wall}
+                       "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
                 results[name].append(row)
                 if args.out is not None:  # every request of the run, for a closer look
                     with open(args.out, "a") as f:
@@ -444,8 +452,13 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req ({wall:.0f}s wall, load "
+                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
+        if args.keep_kv is not None:
+            from bench.router_feed import dump_stream
+
+            kv_stream = stream_for_subject(topo, S.kv_events(MODEL, engines[0].engine_id)).name
+            print(f"{await dump_stream(js, kv_stream, args.keep_kv)} KV messages written to {args.keep_kv}")
         print("medians over rounds:")
         for name, rs in results.items():
             if not rs:
@@ -501,6 +514,8 @@ def main() -> None:
     ap.add_argument("--engines-in-process", action="store_true",
                     help="run all engines on one asyncio loop in the bench process (SimCluster, with the client, "
                          "KV bridges and collector) instead of one process per engine: the older layout")
+    ap.add_argument("--keep-kv", type=Path, default=None,
+                    help="at the end, write every message of the KV stream to this file (bench/router_feed.py)")
     ap.add_argument("--out", type=Path, default=None,
                     help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,

@@ -60,7 +60,8 @@ class RouterApp:
             # no echo: the replica sync subject is the only one the router both publishes and reads
             self.nc = await bus.connect(self.nats, name="infernex-router", no_echo=True)
             self.feeds = BusFeeds(self.nc, self.state, prefix=prefix, index=self.index, registry=self.registry,
-                                  kv_snapshot=self.cfg.kv_snapshot)
+                                  kv_snapshot=self.cfg.kv_snapshot,
+                                  kv_catchup_timeout_s=self.cfg.kv_catchup_timeout_s)
             await self.feeds.start()
             if self.cfg.replica_sync:
                 from router.replica_sync import ReplicaSync
@@ -82,6 +83,8 @@ class RouterApp:
             await self.kube.start()
         self.service = RouterService(self.cfg, state=self.state, index=self.index, registry=self.registry,
                                      records=self.records)
+        if self.feeds is not None and self.index is not None:
+            self.service.kv_status = self.feeds.kv_status
         if self.sync is not None:
             self.service.replicas = self.sync.info
             if self.cfg.replica_sync_routes:

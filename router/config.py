@@ -94,6 +94,11 @@ class RouterConfig(_S):
         default="kv-index-snapshots/kv-indexer",
         description="BUCKET/NAME of the indexer's snapshot object: the embedded KV index starts from it "
                     "and reads the KV stream from the sequence it covers (null: replay the whole stream)")
+    kv_catchup_timeout_s: float = Field(
+        default=60.0, ge=0,
+        description="at start, readiness waits until the embedded KV index has read the KV stream's backlog (from the "
+                    "snapshot, or the whole stream without one), at most this long (0: do not wait); until then its "
+                    "prefix matches are those of a past moment")
     seed: int | None = None
     # resilience
     max_retries: int = Field(default=2, ge=0)

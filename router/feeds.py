@@ -6,16 +6,23 @@ diagnoses from the start of their stream, and KV events from the indexer's newes
 sequence it covers) or, without one, from the start of the stream. Every message is decoded with its
 schema and folded into :class:`router.state.ClusterState` or the embedded KV index; a message
 that does not decode goes to the dead-letter subject with the reason, and the feed keeps going.
+
+At start the KV feed has a backlog to read: the stream's messages after the snapshot (or all of
+them). Until it has read as far as the stream's last message at that moment, the embedded index
+holds a past state of the engines' caches, and the router reports itself not ready
+(:meth:`BusFeeds.kv_status`; at most ``kv_catchup_timeout_s``, after which it serves anyway and says
+so in the log and on ``infernex_router_kv_feed_behind_messages``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from consumers.bus import DeadLetters, stream_seq_of
 from router.state import ClusterState
@@ -30,7 +37,8 @@ log = logging.getLogger(__name__)
 class BusFeeds:
     def __init__(self, nc, state: ClusterState, *, prefix: str | None = None, index: Any = None,
                  registry: CollectorRegistry | None = None, consumer_name: str = "router",
-                 kv_snapshot: str | None = None, kv_reorder_window_s: float = 10.0):
+                 kv_snapshot: str | None = None, kv_reorder_window_s: float = 10.0,
+                 kv_catchup_timeout_s: float = 60.0):
         self.nc = nc
         self.js = nc.jetstream()
         self.state = state
@@ -50,6 +58,69 @@ class BusFeeds:
             # restart): the embedded index holds a batch back until the earlier ones arrive
             index.reorder_window_s = kv_reorder_window_s
         self._release_task: asyncio.Task | None = None
+        # the KV backlog at start: read up to this stream sequence (0: nothing to read)
+        self.kv_catchup_timeout_s = kv_catchup_timeout_s
+        self.kv_target_seq = 0
+        self.kv_seen_seq = 0
+        self.kv_caught_up = True
+        self.kv_catchup_s: float | None = None  # how long reading the backlog took
+        self._kv_t0 = time.monotonic()
+        self._kv_gave_up = False
+        self._behind = Gauge("infernex_router_kv_feed_behind_messages",
+                             "KV stream messages the embedded index has still to read of the backlog it found at "
+                             "start (0 once read)", registry=registry)
+
+    def kv_status(self) -> tuple[bool, str | None]:
+        """(ready, why not): not ready while the KV feed reads its start backlog, for at most
+        ``kv_catchup_timeout_s``."""
+        if self.kv_caught_up or self._kv_gave_up:
+            return True, None
+        waited = time.monotonic() - self._kv_t0
+        if waited >= self.kv_catchup_timeout_s:
+            self._kv_gave_up = True
+            log.warning("the KV index has not read the KV stream's backlog within %.0f s (%d of %d messages "
+                        "behind); serving with it as it is (router.kv_catchup_timeout_s)", self.kv_catchup_timeout_s,
+                        max(0, self.kv_target_seq - self.kv_seen_seq), self.kv_target_seq - self.kv_start_seq + 1)
+            return True, None
+        behind = max(0, self.kv_target_seq - self.kv_seen_seq)
+        return False, f"KV index reading the KV stream's backlog: {behind} messages behind after {waited:.1f} s"
+
+    def _kv_progress(self, msg) -> bool:
+        """Note how far the KV feed has read; True when ``msg`` is the backlog's last message (or
+        the server says nothing is pending after it)."""
+        try:
+            md = msg.metadata
+            seq, pending = md.sequence.stream, md.num_pending
+        except Exception:  # noqa: BLE001 - not a JetStream delivery (a test's plain message): no progress to note
+            return False
+        if seq > self.kv_seen_seq:
+            self.kv_seen_seq = seq
+        if self.kv_seen_seq >= self.kv_target_seq or pending == 0:
+            return True
+        self._behind.set(self.kv_target_seq - self.kv_seen_seq)
+        return False
+
+    def _kv_done(self) -> None:
+        self.kv_caught_up = True
+        self._behind.set(0)
+        self.kv_catchup_s = time.monotonic() - self._kv_t0
+        if self.kv_target_seq:
+            log.info("KV index read the KV stream's backlog (to sequence %d) in %.2f s", self.kv_target_seq,
+                     self.kv_catchup_s)
+
+    async def _kv_backlog(self, stream: str) -> None:
+        """The stream's last sequence now: the backlog the KV feed reads before the router is ready."""
+        try:
+            info = await self.js.stream_info(stream)
+        except Exception as exc:  # noqa: BLE001 - no stream info: nothing to wait for
+            log.warning("KV stream %s: no stream info (%s); readiness does not wait for its backlog", stream,
+                        type(exc).__name__)
+            return
+        last = info.state.last_seq
+        if info.state.messages and last >= self.kv_start_seq:
+            self.kv_target_seq = last
+            self.kv_caught_up = False
+            self._behind.set(last - max(self.kv_start_seq, info.state.first_seq) + 1)
 
     async def start(self) -> None:
         feeds = [
@@ -71,6 +142,9 @@ class BusFeeds:
                 self._subs.append(await self.nc.subscribe(full, cb=cb))
                 continue
             config = ConsumerConfig(deliver_policy=policy)
+            if model is KvEventBatch and self.kv_catchup_timeout_s > 0:
+                self._kv_t0 = time.monotonic()
+                await self._kv_backlog(spec.name)
             if model is KvEventBatch and self.kv_start_seq > 1:
                 config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.kv_start_seq)
             self._subs.append(await self.js.subscribe(full, cb=cb, ordered_consumer=True, stream=spec.name,
@@ -148,7 +222,21 @@ class BusFeeds:
                     continue
                 self.applied.labels(kind).inc()
 
-        return cb
+        if model is not KvEventBatch:
+            return cb
+
+        async def kv_cb(msg) -> None:
+            if self.kv_caught_up:
+                await cb(msg)
+                return
+            last = self._kv_progress(msg)
+            try:
+                await cb(msg)
+            finally:  # a message that fails counts as read too
+                if last:
+                    self._kv_done()
+
+        return kv_cb
 
     def _fold_group(self, data: bytes) -> bool:
         """A bridge's group of binary batches folded in one call as their checked wire structs (no

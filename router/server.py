@@ -171,6 +171,8 @@ class RouterService:
         self.index = index
         self.on_route: Callable[[str, str, Any], None] | None = None  # (model, pod, keys) of a predicted route
         self.replicas: Callable[[], dict] | None = None  # this replica and the others it hears (replica sync)
+        # (ready, why not) of the embedded KV index: not ready while it reads the KV stream's backlog (router.feeds)
+        self.kv_status: Callable[[], tuple[bool, str | None]] | None = None
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry, inflight=lambda: self.inflight,
                                      queued=lambda: self.admission.queued)
@@ -344,12 +346,24 @@ class RouterService:
     async def health(self, request: Request) -> Response:
         return json_response({"status": "ok"})
 
-    async def ready(self, request: Request) -> Response:
+    def not_ready_reason(self) -> str | None:
+        """Why the router should not get traffic (None: it should): draining, no usable backend, or
+        its KV index still reading the KV stream's backlog after a start."""
         if self.draining:
-            return json_response({"ready": False, "reason": "draining"}, status=503)
+            return "draining"
+        if not any(b.health != "critical" for b in self.state.snapshot()):
+            return "no usable backend"
+        if self.kv_status is not None:
+            ok, why = self.kv_status()
+            if not ok:
+                return why
+        return None
+
+    async def ready(self, request: Request) -> Response:
+        reason = self.not_ready_reason()
+        if reason is not None:
+            return json_response({"ready": False, "reason": reason}, status=503)
         usable = [b for b in self.state.snapshot() if b.health != "critical"]
-        if not usable:
-            return json_response({"ready": False, "reason": "no usable backend"}, status=503)
         # backends with an open circuit still count: the healthy filter fails open to them when
         # every one is tripped, so taking the router out of service would only add an outage
         return json_response({"ready": True, "backends": len(usable),

@@ -316,8 +316,9 @@ class EppServer:
     """The gRPC server: the ext_proc service and the gRPC health service on one port.
 
     Health as GIE's EPP reports it: ``liveness`` SERVING while the process answers; ``readiness``
-    and the ext_proc service name SERVING while the router is not draining and knows at least one
-    usable backend (the router's own ``/ready`` rule), re-checked every ``ready_every_s``."""
+    and the ext_proc service name SERVING while the router is not draining, knows at least one
+    usable backend and its KV index has read the KV stream's backlog at start (the router's own
+    ``/ready`` rule), re-checked every ``ready_every_s``."""
 
     def __init__(self, service: RouterService, *, fallbacks: int = 0, ready_every_s: float = 1.0):
         self.svc = service
@@ -348,7 +349,9 @@ class EppServer:
 
     def is_ready(self) -> bool:
         svc = self.svc
-        return not svc.draining and any(b.health != "critical" and not b.circuit_open for b in svc.state.snapshot())
+        if svc.draining or not any(b.health != "critical" and not b.circuit_open for b in svc.state.snapshot()):
+            return False
+        return svc.kv_status is None or svc.kv_status()[0]
 
     async def check_ready(self) -> bool:
         ready = self.is_ready()
