@@ -1,7 +1,7 @@
 """Router CPU per streamed request: our routers against sglang-router on the same fake engines.
 
     python -P bench/router_stream.py [--tokens 64] [--gap-ms 2] [--requests 400] [--concurrency 16]
-        [--strategies round-robin,kv-aware] [--rounds 2]
+        [--strategies round-robin,kv-aware,kv-aware@REF] [--rounds 2]
 
 Four fake engines (router.testing.FakeEngine, in this process with the client) stream ``--tokens``
 tokens per request, one SSE event every ``--gap-ms`` (as an engine sends one token per step, so each
@@ -60,24 +60,25 @@ async def main_async(args) -> None:
     engines = [await FakeEngine(f"fake-{i}", tokens=args.tokens, delay_s=args.gap_ms / 1000).start() for i in range(4)]
     urls = [e.url for e in engines]
     contenders = []
-    for strategy in args.strategies.split(","):
+    for spec in args.strategies.split(","):
+        strategy, _, ref = spec.partition("@")  # NAME@REF: the router from git REF's code
         port = br.free_port()
         cmd = [sys.executable, "-m", "infernex.cli", "router", "--no-bus", "--port", str(port), "--profile", strategy]
         for i, u in enumerate(urls):
             cmd += ["-b", f"fake-{i}={u}@m"]
-        contenders.append((f"infernex {strategy}", cmd, port))
+        contenders.append((f"infernex {spec}", cmd, port, peers.extract_ref(ref) if ref else ROOT))
     sg = peers.peer_python("sglang-router")
     if sg is not None:
         port = br.free_port()
         contenders.append((f"sglang-router {peers.peer_version(sg, 'sglang-router')} cache_aware",
                            [sg, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy", "cache_aware",
                             "--port", str(port), "--prometheus-port", str(br.free_port()), "--log-level", "warn"],
-                           port))
+                           port, ROOT))
     procs = []
     try:
         live = []
-        for label, cmd, port in contenders:
-            p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+        for label, cmd, port, tree in contenders:
+            p = subprocess.Popen(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=tree), stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
             procs.append(p)
             url = f"http://127.0.0.1:{port}"
