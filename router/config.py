@@ -84,6 +84,10 @@ class RouterConfig(_S):
         default=4096, ge=0,
         description="request bodies at least this large are tokenized on those threads (below, handing the work "
                     "over costs more than it frees)")
+    tokenize_lazily: bool = Field(
+        default=True, description="tokenize a long text prompt (with a tokenizer.json whose pieces are memoized) only "
+        "as far as an engine may hold it: the engines' matches are the same, new text past them is not tokenized, "
+        "and prompt_tokens is estimated for it (router/lazy_prompt.py)")
     block_size: int = Field(default=16, gt=0)
     route_prediction_ttl_s: float = Field(
         default=30.0, gt=0, description="strategies with an 'approximate' prefix scorer: how long a request's "

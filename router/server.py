@@ -29,6 +29,7 @@ from router import openapi
 from router.admission import Admission, Refused
 from router.config import RouterConfig
 from router.http import HttpError, Request, Response, Server, StreamResponse
+from router import lazy_prompt
 from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
 from router.core import Router
@@ -39,6 +40,7 @@ from router.tokenize import PromptEncoder
 from router.types import BackendState, Decision, RoutingRequest
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from schemas.records import RequestRecord
+from simulator.tokenizer import request_text
 from schemas.redact import redact_url
 
 log = logging.getLogger(__name__)
@@ -194,6 +196,8 @@ class RouterService:
         # the threads start with the first such prompt
         self._tok_threads = cfg.tokenize_threads if cfg.tokenizer is not None else 0
         self._tok_pool: ThreadPoolExecutor | None = None
+        # pieces of text routed untokenized (router.lazy_prompt), for as long as route predictions last
+        self._piece_routes = lazy_prompt.PieceRoutes(cfg.route_prediction_ttl_s)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
@@ -572,18 +576,73 @@ class RouterService:
         base = self._base_model(body, model)
         # token ids only when the strategy reads them (prefix overlap, PD decider, buckets); an
         # adapter's prompt with its base model's tokenizer, as the engine tokenizes it
+        if base is not None:  # vLLM selects a LoRA adapter by its name in "model"
+            lora = model
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        mt = body.get("max_completion_tokens") or body.get("max_tokens")
+        rreq = RoutingRequest(model=model, request_id=rid, max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
         if ids is _UNSET:
+            lazy = self._lazy_plan(kind, body, rreq)
+            if lazy is not None:
+                self._lazy_finish(rreq, lazy, lazy_prompt.run(lazy[1], lazy[0]))
+                return rreq
             ids = self.encoder.encode(kind, body, as_array=True, base=base) if (st.needs_overlap or st.pd) else None
         if ids is None:
             n = max(1, raw_len // 4) if raw_len else len(str(body.get("messages") or body.get("prompt"))) // 4
         else:
             n = len(ids)
-        if base is not None:  # vLLM selects a LoRA adapter by its name in "model"
-            lora = model
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        mt = body.get("max_completion_tokens") or body.get("max_tokens")
-        return RoutingRequest(model=model, request_id=rid, token_ids=ids, prompt_tokens=n,
-                              max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
+        rreq.token_ids, rreq.prompt_tokens = ids, n
+        return rreq
+
+    def _lazy_plan(self, kind: str, body: dict[str, Any], rreq: RoutingRequest) -> tuple[Any, Any, int] | None:
+        """(piece plan, its :func:`router.lazy_prompt.lazy_steps`, block size) when the prompt is
+        long text to tokenize only as far as an engine may hold it, else None."""
+        st = self.router.strategy
+        if not (self.cfg.tokenize_lazily and st.needs_overlap and self.index is not None):
+            return None
+        tok = self.encoder.tokenizer_for(rreq.model, rreq.index_model)
+        if tok is None or getattr(tok, "plan", None) is None:
+            return None
+        try:
+            got = request_text(tok, kind, body)
+            plan = tok.plan(got[0], got[1]) if got is not None else None
+        except (ValueError, KeyError, TypeError):
+            return None
+        if plan is None:
+            return None
+        from streams.kv_index import block_key_array  # (the index module: loaded with the index)
+        from streams.kv_keys import request_salt
+
+        model = rreq.index_model or rreq.model
+        bs = self.index.block_size(model)
+        salt = request_salt(rreq.cache_salt)
+        index = self.index
+        rec = getattr(index, "record_route", None) if st.approximate else None
+
+        def keys_of(ids):
+            return block_key_array(ids, bs, lora=rreq.lora, salt=salt)
+
+        def matched(keys) -> int:
+            counts = index.match_counts(model, keys)[0] if hasattr(index, "match_counts") else \
+                {p: m.matched_blocks for p, m in index.match_keys(model, keys).items()}
+            return max(counts.values(), default=0)
+
+        def materialize(pod: str, keys) -> None:
+            if rec is not None and len(keys):
+                rec(model, pod, keys=keys)
+
+        steps = lazy_prompt.lazy_steps(plan, self._piece_routes, model, time.monotonic(), bs, keys_of=keys_of,
+                                       matched=matched, materialize=materialize)
+        return plan, steps, bs
+
+    @staticmethod
+    def _lazy_finish(rreq: RoutingRequest, lazy: tuple[Any, Any, int], done: tuple[Any, Any, int]) -> None:
+        plan, _, bs = lazy
+        ids, keys, k = done
+        rreq.token_ids = ids
+        rreq.prompt_keys = (bs, keys)
+        rreq.prompt_tokens = lazy_prompt.estimate_tokens(plan, k, len(ids))
+        rreq.piece_tail = [plan.chain(i) for i in range(k, len(plan))] if k < len(plan) else None
 
     def _base_model(self, body: dict[str, Any], model: str) -> str | None:
         """The base model when ``model`` names a LoRA adapter (and the body names no ``lora``)."""
@@ -597,17 +656,36 @@ class RouterService:
             return self._routing_request(kind, body, rid, raw_len)
         st = self.router.strategy
         model = body.get("model")
+        if self.cfg.tokenize_lazily and st.needs_overlap and isinstance(model, str):
+            rreq = self._routing_request(kind, body, rid, raw_len, ids=None)  # everything but the ids
+            lazy = self._lazy_plan(kind, body, rreq)
+            if lazy is not None:  # the pieces to encode on a tokenizer thread, the index read here
+                plan, steps, _ = lazy
+                k = next(steps)
+                while True:
+                    if plan.missing_chars(k) >= self.cfg.tokenize_offload_bytes:
+                        ids = await asyncio.get_running_loop().run_in_executor(self._pool(), plan.ids, k)
+                    else:
+                        ids = plan.ids(k)
+                    try:
+                        k = steps.send(ids)
+                    except StopIteration as done:
+                        self._lazy_finish(rreq, lazy, done.value)
+                        return rreq
         text = kind == "chat" or isinstance(body.get("prompt"), str)  # (token ids need no tokenizer)
         if not (st.needs_overlap or st.pd) or not isinstance(model, str) or not text:
             return self._routing_request(kind, body, rid, raw_len)
         tok = self.encoder.tokenizer_for(model, self._base_model(body, model))  # (found and loaded here, on the loop)
         if tok is None or not getattr(tok, "releases_gil", False):
             return self._routing_request(kind, body, rid, raw_len)
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool(), self.encoder.encode_with, tok, kind, body)
+        return self._routing_request(kind, body, rid, raw_len, ids)
+
+    def _pool(self) -> ThreadPoolExecutor:
         pool = self._tok_pool
         if pool is None:
             pool = self._tok_pool = ThreadPoolExecutor(self._tok_threads, thread_name_prefix="router-tokenize")
-        ids = await asyncio.get_running_loop().run_in_executor(pool, self.encoder.encode_with, tok, kind, body)
-        return self._routing_request(kind, body, rid, raw_len, ids)
+        return pool
 
     def _decide(self, rreq: RoutingRequest, flow: _Flow | None = None) -> Decision:
         t = time.perf_counter()
@@ -875,6 +953,8 @@ class RouterService:
                         rec(model, pod, keys=todo)
                         if self.on_route is not None:  # the other router replicas (router.replica_sync)
                             self.on_route(model, pod, todo)
+                    if flow.rreq.piece_tail:  # the text past what was tokenized (router.lazy_prompt)
+                        self._piece_routes.add(model, flow.rreq.piece_tail, pod, time.monotonic())
             except (KeyError, ValueError, TypeError):
                 pass
 
@@ -885,6 +965,8 @@ class RouterService:
         ids = flow.rreq.token_ids
         if ids is None or not len(ids) or not block_size:
             return None
+        if flow.keys is None and flow.rreq.prompt_keys is not None and flow.rreq.prompt_keys[0] == block_size:
+            flow.keys = flow.rreq.prompt_keys  # hashed while tokenizing (router.lazy_prompt)
         if flow.keys is None or flow.keys[0] != block_size:
             from streams.kv_index import block_key_array  # (the index module: loaded with the index)
             from streams.kv_keys import request_salt

@@ -73,6 +73,9 @@ class RoutingRequest:
     exclude: frozenset[str] = frozenset()  # pods already tried (retries, migration)
     # (block size, the whole prompt's block keys under its adapter and salt) when already hashed
     prompt_keys: tuple[int, Sequence[int]] | None = None
+    # the prompt tokenized only in part (router.lazy_prompt): the keys of the text of each piece left
+    # untokenized, remembered with the engine the request goes to
+    piece_tail: Sequence[int] | None = None
 
 
 class IndexView(Protocol):

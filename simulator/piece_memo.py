@@ -122,47 +122,130 @@ class PieceMemo:
 
     def encode(self, text: str, add_special_tokens: bool) -> np.ndarray | None:
         """The ids of ``text`` (``uint32``), or None when it has no cut (encode it whole)."""
+        plan = self.plan(text, add_special_tokens)
+        return None if plan is None else plan.ids(len(plan.pieces))
+
+    def plan(self, text: str, add_special_tokens: bool) -> "PiecePlan | None":
+        """``text`` cut into pieces, tokenized on demand from the front (:class:`PiecePlan`), or
+        None when it has no cut."""
         cs = cuts(text, self.piece)
         if not cs:
             return None
-        bounds = [0, *cs, len(text)]
-        pieces = [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
-        h = xxhash.xxh3_128_intdigest
-        # the first piece is keyed apart when it carries the tokenizer's special tokens (BOS)
-        keys = [h(p.encode("utf-8", "surrogatepass"), 1 if (i == 0 and add_special_tokens) else 0)
-                for i, p in enumerate(pieces)]
+        return PiecePlan(self, text, [0, *cs, len(text)], add_special_tokens)
+
+    def _take(self, keys: list[int]) -> list[np.ndarray | None]:
+        """The memo's ids of each key (None where not held), marked recently used."""
         held = self._held
         found: list[np.ndarray | None] = []
-        missing: list[int] = []
         with self._lock:
-            for i, k in enumerate(keys):
+            for k in keys:
                 v = held.get(k)
                 if v is None:
-                    missing.append(i)
                     found.append(None)
                 else:
                     held.move_to_end(k)
                     found.append(v[0])
-            self.hits += len(keys) - len(missing)
-            self.misses += len(missing)
-        if missing:
-            first = missing[0] == 0 and add_special_tokens
-            if first:  # the first piece with the special tokens, the rest without
-                found[0] = np.array(self._encode_batch([pieces[0]], True)[0], dtype=np.uint32)
-            rest = missing[1:] if first else missing
-            if rest:
-                for i, ids in zip(rest, self._encode_batch([pieces[i] for i in rest], False)):
-                    found[i] = np.array(ids, dtype=np.uint32)
-            with self._lock:
-                for i in missing:
-                    old = held.pop(keys[i], None)
-                    if old is not None:
-                        self._chars -= old[1]
-                    held[keys[i]] = (found[i], len(pieces[i]))
-                    self._chars += len(pieces[i])
-                while self._chars > self.max_chars and len(held) > 1:
-                    self._chars -= held.popitem(last=False)[1][1]
-        return np.concatenate(found)
+            n = sum(1 for f in found if f is not None)
+            self.hits += n
+            self.misses += len(keys) - n
+        return found
+
+    def _fill(self, pieces: list[str], keys: list[int], found: list[np.ndarray | None], first_special: bool) -> None:
+        """Encode the pieces not found (one batch; the first with the special tokens when
+        ``first_special``) and keep them."""
+        missing = [i for i, f in enumerate(found) if f is None]
+        if not missing:
+            return
+        first = missing[0] == 0 and first_special
+        if first:  # the first piece with the special tokens, the rest without
+            found[0] = np.array(self._encode_batch([pieces[0]], True)[0], dtype=np.uint32)
+        rest = missing[1:] if first else missing
+        if rest:
+            for i, ids in zip(rest, self._encode_batch([pieces[i] for i in rest], False)):
+                found[i] = np.array(ids, dtype=np.uint32)
+        held = self._held
+        with self._lock:
+            for i in missing:
+                old = held.pop(keys[i], None)
+                if old is not None:
+                    self._chars -= old[1]
+                held[keys[i]] = (found[i], len(pieces[i]))
+                self._chars += len(pieces[i])
+            while self._chars > self.max_chars and len(held) > 1:
+                self._chars -= held.popitem(last=False)[1][1]
+
+
+class PiecePlan:
+    """A long text as memo pieces, tokenized from the front only as far as asked.
+
+    ``keys[i]`` is piece ``i``'s memo key (a 128-bit hash of its text; the first piece keyed apart
+    when it carries the special tokens), ``chain(i)`` a key of the text up to and including piece
+    ``i``. ``lead`` is how many leading pieces the memo held when the plan was made (their ids
+    cost a lookup). ``ids(k)`` is the ids of the first ``k`` pieces: exactly the whole text's ids
+    when ``k`` is every piece, and a prefix of them otherwise (cuts fall where the tokenizer
+    always splits). Thread-safe as the memo is."""
+
+    __slots__ = ("memo", "text", "bounds", "pieces", "keys", "specials", "lead", "_ids", "_ends", "_chain")
+
+    def __init__(self, memo: PieceMemo, text: str, bounds: list[int], specials: bool):
+        self.memo, self.text, self.bounds, self.specials = memo, text, bounds, specials
+        self.pieces = [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+        h = xxhash.xxh3_128_intdigest
+        self.keys = [h(p.encode("utf-8", "surrogatepass"), 1 if (i == 0 and specials) else 0)
+                     for i, p in enumerate(self.pieces)]
+        self._ids: list[np.ndarray | None] = memo._take(self.keys)
+        lead = 0
+        for f in self._ids:
+            if f is None:
+                break
+            lead += 1
+        self.lead = lead
+        self._ends: list[int] | None = None
+        self._chain: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def chars(self, k: int) -> int:
+        """Characters in the first ``k`` pieces."""
+        return self.bounds[k]
+
+    def ids(self, k: int) -> np.ndarray:
+        """The ids of the first ``k`` pieces (``uint32``), encoding those the memo did not hold."""
+        found = self._ids
+        if any(f is None for f in found[:k]):
+            part = found[:k]
+            self.memo._fill(self.pieces[:k], self.keys[:k], part, self.specials)
+            found[:k] = part
+        return found[0] if k == 1 else np.concatenate(found[:k])
+
+    def missing_chars(self, k: int) -> int:
+        """Characters of the first ``k`` pieces not encoded yet (what :meth:`ids` would encode)."""
+        return sum(len(self.pieces[i]) for i in range(k) if self._ids[i] is None)
+
+    def tokens_through(self, i: int) -> int:
+        """How many ids the first ``i + 1`` pieces have (those pieces already encoded)."""
+        if self._ends is None or len(self._ends) <= i:
+            ends, n = [], 0
+            for f in self._ids:
+                if f is None:
+                    break
+                n += len(f)
+                ends.append(n)
+            self._ends = ends
+        return self._ends[i]
+
+    def chain(self, i: int) -> int:
+        """A key of the text's first ``i + 1`` pieces (equal for equal text up to there)."""
+        c = self._chain
+        if c is None:
+            h = xxhash.xxh3_64_intdigest
+            c, prev = [], 0
+            for k in self.keys:
+                prev = h(k.to_bytes(16, "little"), prev)
+                c.append(prev)
+            self._chain = c
+        return c[i]
 
 
 def load_config(file: Path) -> dict[str, Any]:

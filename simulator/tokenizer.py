@@ -554,6 +554,13 @@ class HFTokenizer:
         ids = self._from_pieces(text, specials)
         return ids.tolist() if ids is not None else self._encode_whole(text, specials)
 
+    def plan(self, text: str, add_special_tokens: bool | None = None):
+        """Long text as memo pieces to tokenize from the front on demand
+        (:class:`simulator.piece_memo.PiecePlan`), or None (short text, or no piece memo)."""
+        if self.pieces is None or len(text) < 2 * self.pieces.piece:
+            return None
+        return self.pieces.plan(str(text), _wants_specials(text, add_special_tokens))
+
     def encode_array(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
         """:meth:`encode` as a ``uint32`` array: what the router hashes into block keys."""
         specials = _wants_specials(text, add_special_tokens)
@@ -634,6 +641,22 @@ def render_chat(tokenizer: Tokenizer, body: Mapping[str, Any]) -> RenderedChat:
         continue_final_message=_flag(body, "continue_final_message", False), tools=body.get("tools"),
         chat_template_kwargs=kwargs)
     return text if isinstance(text, RenderedChat) else RenderedChat(text)
+
+
+def request_text(tokenizer: Tokenizer, kind: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """(prompt text, add special tokens) of an OpenAI request whose prompt is text, as
+    :func:`request_to_ids` tokenizes it; None when the prompt is token ids (or not one text).
+    Raises ``ValueError`` on a body that cannot be rendered."""
+    if kind == "chat":
+        return render_chat(tokenizer, body), _flag(body, "add_special_tokens", False)
+    if body.get("prompt_token_ids") is not None:
+        return None
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1:
+        p = p[0]
+    if not isinstance(p, str):
+        return None
+    return p, _flag(body, "add_special_tokens", True)
 
 
 def request_to_ids(tokenizer: Tokenizer, kind: str, body: Mapping[str, Any], as_array: bool = False) -> Sequence[int]:

@@ -1,0 +1,121 @@
+"""Tokenizing a long text prompt only as far as an engine may hold it.
+
+A prefix match needs the prompt's tokens only up to where the engines' caches stop matching it;
+past that, nothing can match, and tokenizing new text (a fresh question after a shared document,
+the latest turn of a conversation) is most of what a request costs the router with a real
+tokenizer (bench/RESULTS.md, sessions 14-15). So a long prompt is cut into the tokenizer's memo
+pieces (:class:`simulator.piece_memo.PiecePlan`) and tokenized from the front:
+
+1. the leading pieces the memo holds (a lookup each), the first piece it does not hold, and every
+   further piece of text this router recently sent somewhere untokenized (see 3);
+2. then, while some engine holds (or is predicted to hold) every block tokenized so far, more
+   pieces: one, then two, four... (so a cache that reaches further is matched exactly: after a
+   router restart the index knows blocks the memo never saw);
+3. where it stops, the pieces left untokenized are remembered (:class:`PieceRoutes`, by a key of
+   the text up to each piece) with the engine the request went to, for the route predictions'
+   time to live. A later prompt with the same text there tokenizes it (1) and counts those blocks
+   as predicted on that engine, as if the first request had tokenized them: a burst of requests
+   sharing a new document still goes to one engine.
+
+What the router reads is then exactly what it would read from the whole prompt's tokens: each
+engine's match ends inside the tokenized part (or the whole prompt was tokenized). What differs:
+``prompt_tokens`` is estimated for the untokenized rest (from the tokenized part's characters
+per token), decision records carry the block keys of the tokenized part, and route predictions
+shared with other router replicas cover the tokenized part only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+MAX_PIECE_ROUTES = 1 << 18  # remembered pieces (least recently added first out): ~40 MB at most
+
+
+class PieceRoutes:
+    """(model, key of the text through a piece) -> (engine, expiry) for text routed untokenized."""
+
+    def __init__(self, ttl_s: float, max_entries: int = MAX_PIECE_ROUTES):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._d: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def add(self, model: str, chains: Sequence[int], pod: str, now: float) -> None:
+        d = self._d
+        exp = now + self.ttl_s
+        for c in chains:
+            k = (model, c)
+            d.pop(k, None)
+            d[k] = (pod, exp)
+        while len(d) > self.max_entries:
+            d.popitem(last=False)
+
+    def get(self, model: str, chain: int, now: float) -> str | None:
+        v = self._d.get((model, chain))
+        if v is None:
+            return None
+        if v[1] <= now:
+            del self._d[(model, chain)]
+            return None
+        return v[0]
+
+
+def first_pieces(plan: Any, routes: PieceRoutes, model: str, now: float) -> tuple[int, dict[str, int]]:
+    """How many leading pieces to tokenize first, and per engine the last of them it was sent
+    untokenized (step 1 of the module's description)."""
+    n = len(plan)
+    k = min(plan.lead + 1, n)
+    routed: dict[str, int] = {}
+    i = 0
+    while i < n:
+        pod = routes.get(model, plan.chain(i), now) if len(routes) else None
+        if pod is not None:
+            routed[pod] = i
+        elif i >= k:
+            break
+        i += 1
+    return max(k, i), routed
+
+
+def lazy_steps(plan: Any, routes: PieceRoutes, model: str, now: float, block_size: int, *,
+               keys_of: Callable[[Any], Any], matched: Callable[[Any], int],
+               materialize: Callable[[str, Any], None]) -> Generator[int, Any, tuple[Any, Any, int]]:
+    """Steps 1 and 2 of the module's description as a generator: it yields how many leading
+    pieces it needs the ids of and is sent those ids (:func:`run` encodes them on the spot, the
+    router's async path on a tokenizer thread); returns (ids, their block keys, pieces covered).
+    ``keys_of(ids)``: the ids' block keys; ``matched(keys)``: the most leading blocks any engine
+    holds or is predicted to hold; ``materialize(pod, keys)``: count ``keys`` as predicted there."""
+    n = len(plan)
+    k, routed = first_pieces(plan, routes, model, now)
+    ids = yield k
+    keys = keys_of(ids)
+    for pod, i in routed.items():
+        materialize(pod, keys[: plan.tokens_through(i) // block_size])
+    step = 1
+    while k < n and len(keys) and matched(keys) >= len(keys):
+        k = min(n, k + step)
+        step *= 2
+        ids = yield k
+        keys = keys_of(ids)
+    return ids, keys, k
+
+
+def run(steps: Generator[int, Any, tuple[Any, Any, int]], plan: Any) -> tuple[Any, Any, int]:
+    """:func:`lazy_steps` driven here, each step's ids encoded on the spot."""
+    k = next(steps)
+    while True:
+        try:
+            k = steps.send(plan.ids(k))
+        except StopIteration as done:
+            return done.value
+
+
+def estimate_tokens(plan: Any, k: int, n_ids: int) -> int:
+    """Prompt tokens: ``n_ids`` for the first ``k`` pieces, the rest at their characters per token."""
+    done = plan.chars(k)
+    rest = len(plan.text) - done
+    return n_ids + (round(rest * n_ids / done) if rest > 0 and done > 0 else 0)

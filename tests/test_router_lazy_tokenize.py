@@ -1,0 +1,116 @@
+"""A long text prompt is tokenized only as far as an engine may hold it (router/lazy_prompt.py).
+
+Ground truth: engines hold prefixes of documents (their KV events, from the whole text's ids).
+For every prompt, each engine's match read with the lazily tokenized ids equals the match read
+with the whole prompt's ids, while new text past the matches is not tokenized. Routes of text left
+untokenized still count as predicted blocks for a later prompt with the same text."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from router.config import RouterConfig, StaticBackend
+from router.server import RouterService, _Flow
+from schemas import BlockStored, KvEventBatch
+from simulator.tokenizer import HFTokenizer
+from streams.clock import SystemClock
+from streams.kv_index import KvIndex, block_key_array
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tokenize"
+WORDS = ["cache", "router", "prefill", "decode", "engine", "block", "token", "the", "a", "x42", "2026", "Paris",
+         "summary", "value", "(note)", "alpha", "beta"]
+BS = 16
+
+
+def text(rnd: random.Random, chars: int) -> str:
+    out, n = [], 0
+    while n < chars:
+        w = rnd.choice(WORDS) if rnd.random() < 0.9 else f"w{rnd.randrange(10**5)}"
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def service(lazy: bool = True, pods=("a", "b", "c", "d")) -> RouterService:
+    cfg = RouterConfig(backends=[StaticBackend(pod=p, url=f"http://127.0.0.1:{9 + i}", model="m")
+                                 for i, p in enumerate(pods)], bus=False, records=False, seed=1,
+                       strategy="kv-aware", tokenizer=str(FIXTURE), tokenize_lazily=lazy)
+    return RouterService(cfg, index=KvIndex(SystemClock(), default_block_size=BS))
+
+
+def hold(index: KvIndex, pod: str, ids: list[int], blocks: int, seq: int = 0) -> None:
+    """``pod`` reports storing the first ``blocks`` blocks of ``ids`` (as an engine's KV events)."""
+    hashes = [hash((pod, i, tuple(ids[:(i + 1) * BS]))) & (2**63 - 1) or 1 for i in range(blocks)]
+    index.apply(KvEventBatch(pod=pod, model="m", seq=seq, ts=time.time(), events=[
+        BlockStored(block_hashes=hashes, token_ids=ids[:blocks * BS], block_size=BS)]))
+
+
+def route(svc: RouterService, prompt: str, i: int):
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    rreq = svc._routing_request("completions", body, f"r{i}", len(prompt))
+    flow = _Flow(rid=f"r{i}", kind="completions", path="/v1/completions", body=body, stream=False,
+                 arrival=0.0, t0=0.0, rreq=rreq)
+    d = svc._decide(rreq, flow)
+    svc._note_route(flow, d)
+    return rreq, d
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_engines_match_is_the_whole_prompts_and_new_text_is_not_tokenized(seed):
+    rnd = random.Random(seed)
+    tok = HFTokenizer(FIXTURE)
+    svc = service()
+    index = svc.index
+    docs = [text(rnd, rnd.choice([1500, 4000, 9000])) for _ in range(3)]
+    for j, pod in enumerate(("a", "b", "c")):  # each engine holds a prefix of a document, some all of it
+        ids = tok.encode(docs[j % 3] + " " + text(rnd, 300), add_special_tokens=True)
+        hold(index, pod, ids, rnd.randint(1, len(ids) // BS))
+    lazier = 0
+    for i in range(12):
+        doc = docs[rnd.randrange(3)]
+        prompt = doc[: rnd.randint(len(doc) // 2, len(doc))] + " " + text(rnd, rnd.choice([100, 1500, 3000]))
+        rreq = svc._routing_request("completions", {"model": "m", "prompt": prompt}, f"q{i}", len(prompt))
+        whole = np.array(tok.encode(prompt, add_special_tokens=True), dtype=np.uint32)
+        got = np.asarray(rreq.token_ids)
+        assert np.array_equal(got, whole[: len(got)])  # a prefix of the whole prompt's ids
+        lazy_m = index.match_counts("m", block_key_array(got, BS))[0]
+        full_m = index.match_counts("m", block_key_array(whole, BS))[0]
+        assert lazy_m == full_m  # what the router reads: the same for every engine
+        lazier += len(got) < len(whole)
+        assert abs(rreq.prompt_tokens - len(whole)) <= 0.15 * len(whole)  # the rest estimated
+    assert lazier >= 6  # most prompts end in text no engine holds: left untokenized
+
+
+def test_a_burst_sharing_a_new_document_goes_to_one_engine_as_with_whole_prompts():
+    """The first request's document is left mostly untokenized; the next ones with the same document
+    must still count it as predicted on the first one's engine (as whole-prompt predictions would)."""
+    rnd = random.Random(7)
+    doc = text(rnd, 8000)
+    prompts = [doc + " Question: " + text(rnd, 1500) for _ in range(4)]
+    runs = {}
+    for lazy in (True, False):
+        svc = service(lazy)
+        runs[lazy] = [route(svc, p, i) for i, p in enumerate(prompts)]
+    lazy_runs, full_runs = runs[True], runs[False]
+    first = lazy_runs[0][1].target.pod
+    assert len(lazy_runs[0][0].token_ids) < len(full_runs[0][0].token_ids) // 2  # the first: mostly untokenized
+    assert [d.target.pod for _, d in lazy_runs] == [d.target.pod for _, d in full_runs] == [first] * 4
+    doc_blocks = len(HFTokenizer(FIXTURE).encode(doc, add_special_tokens=True)) // BS
+    piece_blocks = 600 // 3 // BS + 1  # about one memo piece (512+ characters) of blocks
+    for (_, dl), (_, df) in zip(lazy_runs[1:], full_runs[1:]):
+        ol, of = dl.stages[0].overlap.get(first, 0), df.stages[0].overlap.get(first, 0)
+        assert of >= doc_blocks - 1
+        assert of - piece_blocks <= ol <= of  # the document as predicted, short of at most its last piece
+
+
+def test_off_tokenizes_whole_prompts():
+    rnd = random.Random(3)
+    tok = HFTokenizer(FIXTURE)
+    prompt = text(rnd, 6000)
+    rreq = service(lazy=False)._routing_request("completions", {"model": "m", "prompt": prompt}, "r", len(prompt))
+    assert list(rreq.token_ids) == tok.encode(prompt, add_special_tokens=True) and rreq.piece_tail is None
