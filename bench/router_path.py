@@ -2,7 +2,7 @@
 HTTP figure holds besides HTTP, measured with far less noise, side by side with older code.
 
     python -P bench/router_path.py [--strategies kv-aware,round-robin] [--requests 4000] [--reps 5]
-        [--prompt-chars 7400] [--before-ref REF] [--router-tokenizer tests/fixtures/tokenize]
+        [--prompt-chars 7400] [--before-ref REF] [--router-tokenizer tests/fixtures/tokenize] [--fresh]
 
 Per request, as ``RouterService`` does it for a non-streamed completion: the body decoded, the
 routing request (tokenizing the prompt for strategies that read prefixes), the decision (block
@@ -10,7 +10,8 @@ keys, the embedded index's query, the strategy's filters and scorers), the route
 predicted blocks) and the backend's counts started; 64 requests stay in flight. The prompts are
 bench/router.py's (one of 8 shared documents, 80% of the text, then a fresh question) over 8
 backends that send no KV events, so every prefix the index knows is a prediction. Each rep is a
-fresh router (2,000 requests to warm it, then ``--requests`` timed). Each tree (this one, and
+fresh router (2,000 requests to warm it, then ``--requests`` timed; the 4,000 prompts in turn, or
+with ``--fresh`` a new prompt each time). Each tree (this one, and
 ``--before-ref`` extracted with ``git archive``) runs in its own process, reps interleaved. The
 figure is process CPU time per request: min and median over reps.
 """
@@ -28,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
 import asyncio, importlib.util, json, os, sys, time
-tree, strategy, n, chars, tok = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
+tree, strategy, n, chars, tok, fresh = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6], sys.argv[7] == "1"
 sys.path.insert(0, tree)
 spec = importlib.util.spec_from_file_location("tsp", os.path.join(sys.argv[5], "tokenizer_speed.py"))
 tsp = importlib.util.module_from_spec(spec); spec.loader.exec_module(tsp)
@@ -47,7 +48,7 @@ cfg = RouterConfig().model_copy(update={"bus": False, "strategy": strategy, "bac
 app = RouterApp(cfg)
 warm_up(); warm_tokenizer()
 svc = RouterService(cfg, state=app.state, index=app.index, registry=app.registry, records=None)
-raws = [msgspec.json.encode({"model": "m", "prompt": p, "max_tokens": 2}) for p in tsp.make_prompts(4000, chars)]
+raws = [msgspec.json.encode({"model": "m", "prompt": p, "max_tokens": 2}) for p in tsp.make_prompts(2000 + n if fresh else 4000, chars)]
 inflight = []
 picks = {}
 
@@ -78,9 +79,9 @@ print(json.dumps({"us": (time.process_time() - t) / n * 1e6, "picks": sorted(pic
 """
 
 
-def run_one(tree: str, strategy: str, n: int, chars: int, tokenizer: str | None = None) -> dict:
+def run_one(tree: str, strategy: str, n: int, chars: int, tokenizer: str | None = None, fresh: bool = False) -> dict:
     out = subprocess.run([sys.executable, "-P", "-c", _CHILD, tree, strategy, str(n), str(chars),
-                          os.path.join(ROOT, "bench"), tokenizer or ""], capture_output=True, text=True, cwd=tree)
+                          os.path.join(ROOT, "bench"), tokenizer or "", "1" if fresh else "0"], capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree} {strategy}: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--before-ref", default=None, help="also run the code at this git ref, reps interleaved")
     ap.add_argument("--router-tokenizer", default=None,
                     help="tokenize with this tokenizer.json (or its folder), e.g. tests/fixtures/tokenize, instead of the toy one")
+    ap.add_argument("--fresh", action="store_true",
+                    help="no prompt comes twice (each question new), instead of 4,000 prompts in turn")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     trees = [("this tree", ROOT)]
@@ -109,7 +112,7 @@ def main() -> None:
         for _ in range(args.reps):
             for label, tree in trees:
                 r = run_one(tree, strategy, args.requests, args.prompt_chars,
-                            args.router_tokenizer and os.path.abspath(args.router_tokenizer))
+                            args.router_tokenizer and os.path.abspath(args.router_tokenizer), args.fresh)
                 got[label].append(r["us"])
                 spread[label] = r["picks"]
         for label, _ in trees:

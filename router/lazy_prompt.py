@@ -7,7 +7,8 @@ tokenizer (bench/RESULTS.md, sessions 14-15). So a long prompt is cut into the t
 pieces (:class:`simulator.piece_memo.PiecePlan`) and tokenized from the front:
 
 1. the leading pieces the memo holds (a lookup each), the first piece it does not hold, and every
-   further piece of text this router recently sent somewhere untokenized (see 3);
+   further piece of text this router recently sent somewhere untokenized (see 3), whose blocks
+   then count as predicted on that engine;
 2. then, while some engine holds (or is predicted to hold) every block tokenized so far, more
    pieces: one, then two, four... (so a cache that reaches further is matched exactly: after a
    router restart the index knows blocks the memo never saw);
@@ -70,7 +71,9 @@ def first_pieces(plan: Any, routes: PieceRoutes, model: str, now: float) -> tupl
     n = len(plan)
     k = min(plan.lead + 1, n)
     routed: dict[str, int] = {}
-    i = 0
+    # (the pieces the memo holds were tokenized by a request that looked up their routes then: the
+    # engines it found there count them as predicted blocks already)
+    i = plan.lead
     while i < n:
         pod = routes.get(model, plan.chain(i), now) if len(routes) else None
         if pod is not None:
