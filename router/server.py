@@ -657,13 +657,14 @@ class RouterService:
         st = self.router.strategy
         model = body.get("model")
         if self.cfg.tokenize_lazily and st.needs_overlap and isinstance(model, str):
+            tok = self.encoder.tokenizer_for(model, self._base_model(body, model))
             rreq = self._routing_request(kind, body, rid, raw_len, ids=None)  # everything but the ids
             lazy = self._lazy_plan(kind, body, rreq)
             if lazy is not None:  # the pieces to encode on a tokenizer thread, the index read here
                 plan, steps, _ = lazy
                 k = next(steps)
                 while True:
-                    if plan.missing_chars(k) >= self.cfg.tokenize_offload_bytes:
+                    if getattr(tok, "releases_gil", False) and plan.missing_chars(k) >= self.cfg.tokenize_offload_bytes:
                         ids = await asyncio.get_running_loop().run_in_executor(self._pool(), plan.ids, k)
                     else:
                         ids = plan.ids(k)

@@ -467,6 +467,22 @@ class SimpleTokenizer:
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return out if dtype is np.uint32 else out.astype(dtype)
 
+    def plan(self, text: str, add_special_tokens: bool | None = None):
+        """Long ASCII text as the compiled path's memo pieces, tokenized from the front on demand
+        (:class:`simulator.piece_memo.PiecePlan`), or None (short or non-ASCII text, no numba)."""
+        if len(text) < 2 * _PIECE or not text.isascii() or _ascii_kernel() is None:
+            return None
+        from simulator.piece_memo import PiecePlan
+
+        find = text.find
+        bounds = [0]
+        s = 0
+        while (c := find(" ", s + _PIECE)) >= 0:
+            bounds.append(c)
+            s = c
+        bounds.append(len(text))
+        return PiecePlan(_SimplePieces(self), text, bounds, False)
+
     def _kernel_marks(self, kernel: Any, b: bytes, start: int, cuts: list[int]) -> tuple[np.ndarray, list[int]]:
         """Ids of ``b[start:]`` (uint32) and, per offset in ``cuts``, how many come before it."""
         out = np.empty(len(b) - start, dtype=np.uint32)
@@ -493,6 +509,51 @@ class SimpleTokenizer:
 
 
 # ---------------------------------------------------------------- Hugging Face tokenizer.json
+
+class _SimplePieces:
+    """:class:`SimpleTokenizer`'s piece memo as :class:`simulator.piece_memo.PiecePlan` reads it
+    (the same keys: a 128-bit hash of each piece's bytes). Not thread-safe, as the tokenizer."""
+
+    def __init__(self, tok: SimpleTokenizer):
+        self.tok = tok
+
+    def _take(self, keys: list[int]) -> list[np.ndarray | None]:
+        memo = self.tok._pieces
+        out: list[np.ndarray | None] = []
+        for k in keys:
+            v = memo.get(k)
+            if v is None:
+                out.append(None)
+            else:
+                memo.move_to_end(k)
+                out.append(v[0])
+        return out
+
+    def _fill(self, pieces: list[str], keys: list[int], found: list[np.ndarray | None], first_special: bool) -> None:
+        """One kernel pass from the first piece not found to the last asked for, marking the edges."""
+        i = next((j for j, f in enumerate(found) if f is None), None)
+        if i is None:
+            return
+        tok = self.tok
+        b = "".join(pieces[i:]).encode("ascii")
+        cuts, n = [], 0
+        for p in pieces[i:-1]:
+            n += len(p)
+            cuts.append(n)
+        out, marks = tok._kernel_marks(_ascii_kernel(), b, 0, cuts)
+        edges = [0, *marks, len(out)]
+        memo = tok._pieces
+        for j in range(i, len(pieces)):
+            ids = out[edges[j - i]:edges[j - i + 1]]
+            found[j] = ids
+            old = memo.pop(keys[j], None)
+            if old is not None:
+                tok._pieces_chars -= old[1]
+            memo[keys[j]] = (ids, len(pieces[j]))
+            tok._pieces_chars += len(pieces[j])
+        while tok._pieces_chars > tok._pieces_max and len(memo) > 1:  # the least recently used first
+            tok._pieces_chars -= memo.popitem(last=False)[1][1]
+
 
 class HFTokenizer:
     """A Hugging Face fast tokenizer from a local ``tokenizer.json`` (file or its directory).

@@ -17,7 +17,7 @@ import pytest
 from router.config import RouterConfig, StaticBackend
 from router.server import RouterService, _Flow
 from schemas import BlockStored, KvEventBatch
-from simulator.tokenizer import HFTokenizer
+from simulator.tokenizer import HFTokenizer, SimpleTokenizer
 from streams.clock import SystemClock
 from streams.kv_index import KvIndex, block_key_array
 
@@ -36,10 +36,10 @@ def text(rnd: random.Random, chars: int) -> str:
     return " ".join(out)
 
 
-def service(lazy: bool = True, pods=("a", "b", "c", "d")) -> RouterService:
+def service(lazy: bool = True, pods=("a", "b", "c", "d"), tokenizer: str = str(FIXTURE)) -> RouterService:
     cfg = RouterConfig(backends=[StaticBackend(pod=p, url=f"http://127.0.0.1:{9 + i}", model="m")
                                  for i, p in enumerate(pods)], bus=False, records=False, seed=1,
-                       strategy="kv-aware", tokenizer=str(FIXTURE), tokenize_lazily=lazy)
+                       strategy="kv-aware", tokenizer=tokenizer, tokenize_lazily=lazy)
     return RouterService(cfg, index=KvIndex(SystemClock(), default_block_size=BS))
 
 
@@ -61,19 +61,21 @@ def route(svc: RouterService, prompt: str, i: int):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_each_engines_match_is_the_whole_prompts_and_new_text_is_not_tokenized(seed):
+@pytest.mark.parametrize("which", ["tokenizer.json", "simple"])
+def test_each_engines_match_is_the_whole_prompts_and_new_text_is_not_tokenized(seed, which):
     rnd = random.Random(seed)
-    tok = HFTokenizer(FIXTURE)
-    svc = service()
+    tok = HFTokenizer(FIXTURE) if which == "tokenizer.json" else SimpleTokenizer()
+    svc = service(tokenizer=str(FIXTURE) if which == "tokenizer.json" else "simple")
     index = svc.index
-    docs = [text(rnd, rnd.choice([1500, 4000, 9000])) for _ in range(3)]
+    scale = 1 if which == "tokenizer.json" else 4  # the toy tokenizer's pieces are 2,048 characters, not 512
+    docs = [text(rnd, scale * rnd.choice([1500, 4000, 9000])) for _ in range(3)]
     for j, pod in enumerate(("a", "b", "c")):  # each engine holds a prefix of a document, some all of it
         ids = tok.encode(docs[j % 3] + " " + text(rnd, 300), add_special_tokens=True)
         hold(index, pod, ids, rnd.randint(1, len(ids) // BS))
     lazier = 0
     for i in range(12):
         doc = docs[rnd.randrange(3)]
-        prompt = doc[: rnd.randint(len(doc) // 2, len(doc))] + " " + text(rnd, rnd.choice([100, 1500, 3000]))
+        prompt = doc[: rnd.randint(len(doc) // 2, len(doc))] + " " + text(rnd, scale * rnd.choice([100, 1500, 3000]))
         rreq = svc._routing_request("completions", {"model": "m", "prompt": prompt}, f"q{i}", len(prompt))
         whole = np.array(tok.encode(prompt, add_special_tokens=True), dtype=np.uint32)
         got = np.asarray(rreq.token_ids)
@@ -83,6 +85,7 @@ def test_each_engines_match_is_the_whole_prompts_and_new_text_is_not_tokenized(s
         assert lazy_m == full_m  # what the router reads: the same for every engine
         lazier += len(got) < len(whole)
         assert abs(rreq.prompt_tokens - len(whole)) <= 0.15 * len(whole)  # the rest estimated
+        assert (rreq.piece_tail is None) == (len(got) == len(whole))
     assert lazier >= 6  # most prompts end in text no engine holds: left untokenized
 
 
@@ -114,3 +117,20 @@ def test_off_tokenizes_whole_prompts():
     prompt = text(rnd, 6000)
     rreq = service(lazy=False)._routing_request("completions", {"model": "m", "prompt": prompt}, "r", len(prompt))
     assert list(rreq.token_ids) == tok.encode(prompt, add_special_tokens=True) and rreq.piece_tail is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_plans_first_pieces_are_the_whole_texts_first_ids(seed):
+    """Both tokenizers' plans, with any part of the text in the memo already."""
+    rnd = random.Random(seed)
+    words = " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(800, 5000)))
+    for tok, ref in ((HFTokenizer(FIXTURE), HFTokenizer(FIXTURE)), (SimpleTokenizer(), SimpleTokenizer())):
+        whole = np.asarray(ref.encode_array(words, add_special_tokens=True))
+        tok.encode_array(words[: rnd.randint(0, len(words))], add_special_tokens=True)  # some pieces held
+        plan = tok.plan(words, add_special_tokens=True)
+        assert plan is not None and plan.lead <= len(plan)
+        for k in sorted(rnd.sample(range(1, len(plan) + 1), min(4, len(plan)))):
+            ids = plan.ids(k)
+            assert np.array_equal(ids, whole[: len(ids)]) and plan.chars(k) <= len(words)
+        assert np.array_equal(plan.ids(len(plan)), whole)
+        assert np.array_equal(np.asarray(tok.encode_array(words, add_special_tokens=True)), whole)
