@@ -21,9 +21,10 @@ sglang-router (``sglang:POLICY``; from a cache venv made by bench/peers.py) and 
 (``vllm:POLICY``; its binary from the wheel, in a cache venv made by bench/vllm_router_kv.py;
 ``kv_aware`` subscribes to every engine's ZMQ KV events and replay socket itself). Before the
 first run every engine serves a few requests of the rows just before the slice (so the router
-that runs first does not pay the engines' first requests). Before each run the engines' prefix
+that runs first does not pay the engines' first requests). Before each run the KV stream is purged and the engines' prefix
 caches are emptied (``POST /reset_prefix_cache``, which also publishes
-the cleared cache as a KV event); runs are interleaved, ``--rounds`` times. Reported per run:
+the cleared cache as a KV event), so each router reads the engines' KV events from an empty
+stream; runs are interleaved, ``--rounds`` times. Reported per run:
 prefix hit rate as the engines count it (``vllm:prefix_cache_hits/queries`` on their /metrics),
 request spread (max/mean ``vllm:request_success`` per engine), TTFT p50/p90, E2E p50 and the
 decode phase's p50 (E2E - TTFT per request; client side, wall seconds).
@@ -343,6 +344,7 @@ async def main_async(args) -> None:
                    for h in engines]
         tasks.append(asyncio.create_task(MetricsCollector(targets, js, registry=CollectorRegistry()).run(stop, 0.5)))
         block_size = await engine_block_size(ctl, engines[0])
+        kv_stream = stream_for_subject(topo, S.kv_events(MODEL, engines[0].engine_id)).name
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
         trees = {ref: _peers().extract_ref(ref) for ref in {r.split("+")[0].partition("@")[2] for r in routers
@@ -363,6 +365,10 @@ async def main_async(args) -> None:
         for rnd in range(args.rounds):
             order = routers if rnd % 2 == 0 else list(reversed(routers))
             for name in order:
+                # every router starts from an empty KV stream: the engines' caches are emptied next (and
+                # say so), so earlier runs' events would only be a backlog to read, longer each run (a
+                # router that does not wait for it serves meanwhile from a past state)
+                await js.purge_stream(kv_stream)
                 await reset_prefix_caches(ctl, engines)
                 await asyncio.sleep(1.0)  # the cleared caches reach the bus
                 spec, *assigns = name.split("+")  # NAME[@REF][+ENV=VALUE...]: our router with these settings
@@ -457,7 +463,6 @@ async def main_async(args) -> None:
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
 
-            kv_stream = stream_for_subject(topo, S.kv_events(MODEL, engines[0].engine_id)).name
             print(f"{await dump_stream(js, kv_stream, args.keep_kv)} KV messages written to {args.keep_kv}")
         print("medians over rounds:")
         for name, rs in results.items():
@@ -515,7 +520,7 @@ def main() -> None:
                     help="run all engines on one asyncio loop in the bench process (SimCluster, with the client, "
                          "KV bridges and collector) instead of one process per engine: the older layout")
     ap.add_argument("--keep-kv", type=Path, default=None,
-                    help="at the end, write every message of the KV stream to this file (bench/router_feed.py)")
+                    help="at the end, write every message of the KV stream (the last run's) to this file (bench/router_feed.py)")
     ap.add_argument("--out", type=Path, default=None,
                     help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,

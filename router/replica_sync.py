@@ -17,8 +17,9 @@ final message; one that goes silent for ``expire_s`` is forgotten.
 
 With kv-aware's approximate prefix mode a replica also counts the prompts it just routed as the
 engine's predicted blocks until the engine's KV events say what it holds. The same message
-carries those routes (:class:`schemas.records.RoutedPrompt`, block keys packed), and the others
-record them in their own index. A second request with the same new prefix then goes to the same
+carries those routes (:class:`schemas.records.RoutedPrompt`, block keys packed, and the keys of
+the text a lazily tokenized prompt left untokenized: :mod:`router.lazy_prompt`), and the others
+record them in their own index (and piece routes). A second request with the same new prefix then goes to the same
 engine whichever replica receives it. A message that does not decode
 goes to the dead-letter subject with the reason and is counted, and the rest carry on.
 """
@@ -76,6 +77,7 @@ class ReplicaSync:
         self.heartbeat_s = heartbeat_s
         self.expire_s = expire_s
         self.index = index  # the embedded KV index: the others' routes become predicted blocks there
+        self.piece_routes = None  # router.lazy_prompt.PieceRoutes: the others' untokenized text, where it went
         self._routes: list[RoutedPrompt] = []  # this replica's routes not yet sent
         self._routes_bytes = 0
         self.dead = DeadLetters(nc.jetstream(), consumer=f"router-sync-{self.replica}", registry=registry,
@@ -157,17 +159,20 @@ class ReplicaSync:
         return {"self": self.replica, "others": {r: {"heard_s_ago": round(now - heard, 3), "seq": seq}
                                                   for r, (seq, heard, _) in self.peers.items()}}
 
-    def add_route(self, model: str, pod: str, keys: Any) -> None:
+    def add_route(self, model: str, pod: str, keys: Any, pieces: Any = None) -> None:
         """Share a prompt this replica just sent to ``pod`` (its block keys, the ones it predicted
-        there) with the other replicas, in the next message; nothing while it is alone."""
-        if not self.peers or not len(keys):
+        there, and the keys of its text left untokenized: :mod:`router.lazy_prompt`) with the other
+        replicas, in the next message; nothing while it is alone."""
+        if not self.peers or not (len(keys) or pieces):
             return
-        r = RoutedPrompt.model_construct(model=model, pod=pod, keys=pack_keys(keys))  # made here: no re-check
-        if len(self._routes) >= MAX_ROUTES or self._routes_bytes + len(r.keys) > MAX_ROUTE_BYTES:
+        r = RoutedPrompt.model_construct(model=model, pod=pod, keys=pack_keys(keys),
+                                         pieces=pack_keys(pieces) if pieces else None)  # made here: no re-check
+        size = len(r.keys) + len(r.pieces or "")
+        if len(self._routes) >= MAX_ROUTES or self._routes_bytes + size > MAX_ROUTE_BYTES:
             self._m_routes.labels("dropped").inc()  # the others learn it from the engine's KV events
             return
         self._routes.append(r)
-        self._routes_bytes += len(r.keys)
+        self._routes_bytes += size
         self._changed.set()
 
     async def tick(self, now: float) -> None:
@@ -226,7 +231,11 @@ class ReplicaSync:
         if rec is not None and load.routes:
             for r in load.routes:
                 try:
-                    rec(r.model, r.pod, keys=key_array(r.keys))
+                    keys = key_array(r.keys)
+                    if len(keys):
+                        rec(r.model, r.pod, keys=keys)
+                    if r.pieces and self.piece_routes is not None:
+                        self.piece_routes.add(r.model, key_array(r.pieces).tolist(), r.pod, now)
                 except (KeyError, ValueError) as exc:  # e.g. a model this index has no block size for
                     log.debug("replica sync: route of %s not predicted: %s", r.pod, exc)
             self._m_routes.labels("received").inc(len(load.routes))

@@ -171,7 +171,8 @@ class RouterService:
         self.router = router or Router(cfg.strategy, seed=cfg.seed, default_block_size=cfg.block_size)
         self.state = state or ClusterState(cfg)
         self.index = index
-        self.on_route: Callable[[str, str, Any], None] | None = None  # (model, pod, keys) of a predicted route
+        # (model, pod, keys[, pieces=]) of a predicted route; ``pieces``: its untokenized text's keys (router.lazy_prompt)
+        self.on_route: Callable[..., None] | None = None
         self.replicas: Callable[[], dict] | None = None  # this replica and the others it hears (replica sync)
         # (ready, why not) of the embedded KV index: not ready while it reads the KV stream's backlog (router.feeds)
         self.kv_status: Callable[[], tuple[bool, str | None]] | None = None
@@ -197,7 +198,7 @@ class RouterService:
         self._tok_threads = cfg.tokenize_threads if cfg.tokenizer is not None else 0
         self._tok_pool: ThreadPoolExecutor | None = None
         # pieces of text routed untokenized (router.lazy_prompt), for as long as route predictions last
-        self._piece_routes = lazy_prompt.PieceRoutes(cfg.route_prediction_ttl_s)
+        self.piece_routes = lazy_prompt.PieceRoutes(cfg.route_prediction_ttl_s)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
@@ -622,16 +623,27 @@ class RouterService:
         def keys_of(ids):
             return block_key_array(ids, bs, lora=rreq.lora, salt=salt)
 
+        def counts(keys) -> tuple[dict[str, int], dict[str, int]]:
+            """(matched blocks, of them predicted only) per pod."""
+            if hasattr(index, "match_counts"):
+                return index.match_counts(model, keys)
+            got = index.match_keys(model, keys)
+            return {p: m.matched_blocks for p, m in got.items()}, {p: m.predicted_blocks for p, m in got.items()}
+
         def matched(keys) -> int:
-            counts = index.match_counts(model, keys)[0] if hasattr(index, "match_counts") else \
-                {p: m.matched_blocks for p, m in index.match_keys(model, keys).items()}
-            return max(counts.values(), default=0)
+            return max(counts(keys)[0].values(), default=0)
 
         def materialize(pod: str, keys) -> None:
-            if rec is not None and len(keys):
-                rec(model, pod, keys=keys)
+            # only past what the engine's events say it holds: a held block evicted later must not
+            # stay counted as predicted (no event would confirm it again)
+            if rec is None or not len(keys):
+                return
+            got, pred = counts(keys)
+            held = got.get(pod, 0) - pred.get(pod, 0)
+            if held < len(keys):
+                rec(model, pod, keys=keys[held:] if held > 0 else keys)
 
-        steps = lazy_prompt.lazy_steps(plan, self._piece_routes, model, time.monotonic(), bs, keys_of=keys_of,
+        steps = lazy_prompt.lazy_steps(plan, self.piece_routes, model, time.monotonic(), bs, keys_of=keys_of,
                                        matched=matched, materialize=materialize)
         return plan, steps, bs
 
@@ -949,13 +961,17 @@ class RouterService:
                     if d.stages:
                         st0 = d.stages[0]
                         held = st0.overlap.get(pod, 0) - st0.predicted.get(pod, 0)
-                    if held < len(keys):
-                        todo = keys[held:] if held > 0 else keys
+                    todo = keys if held <= 0 else keys[held:]  # (empty when it holds them all)
+                    if len(todo):
                         rec(model, pod, keys=todo)
-                        if self.on_route is not None:  # the other router replicas (router.replica_sync)
+                    tail = flow.rreq.piece_tail  # the text past what was tokenized (router.lazy_prompt)
+                    if tail:
+                        self.piece_routes.add(model, tail, pod, time.monotonic())
+                    if self.on_route is not None and (len(todo) or tail):  # the other replicas (router.replica_sync)
+                        if tail:
+                            self.on_route(model, pod, todo, pieces=tail)
+                        else:
                             self.on_route(model, pod, todo)
-                    if flow.rreq.piece_tail:  # the text past what was tokenized (router.lazy_prompt)
-                        self._piece_routes.add(model, flow.rreq.piece_tail, pod, time.monotonic())
             except (KeyError, ValueError, TypeError):
                 pass
 

@@ -110,8 +110,9 @@ class DecisionInputs(BaseModel):
     overlap: dict[str, int] = Field(default_factory=dict, description="pod -> reusable prefix blocks (KV index)")
     predicted: dict[str, int] = Field(default_factory=dict, description="pod -> of its overlap, the blocks "
                                       "only predicted from the router's own routing (approximate prefix mode)")
-    prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index); "
-                                          "on the wire also as a string: base64 of the keys' little-endian "
+    prefix_keys: list[int] | None = Field(default=None, description="the prompt's block keys (to read the index), "
+                                          "as far as the router tokenized it (router.tokenize_lazily: past every "
+                                          "engine's match, new text is left untokenized); on the wire also as a string: base64 of the keys' little-endian "
                                           "uint64 bytes (schemas.records.pack_keys), the form the router writes",
                                           json_schema_extra={"anyOf": [
                                               {"type": "array", "items": {"type": "integer"}},
@@ -195,11 +196,15 @@ class RoutedPrompt(BaseModel):
     model: str = Field(min_length=1, description="the index model (a LoRA adapter's base)")
     pod: str = Field(min_length=1)
     keys: str = Field(description="base64 of the blocks' keys, little-endian uint64 (schemas.records.pack_keys)")
+    pieces: str | None = Field(default=None, description="the prompt's text past those blocks, left untokenized "
+                               "(router.lazy_prompt): base64 of a key per piece of it, little-endian uint64; "
+                               "left out when there is none")
 
-    @field_validator("keys")
+    @field_validator("keys", "pieces")
     @classmethod
-    def _packed_keys(cls, v: str) -> str:
-        packed_bytes(v, "keys")
+    def _packed_keys(cls, v: str | None, info) -> str | None:
+        if v is not None:
+            packed_bytes(v, info.field_name)
         return v
 
 
@@ -221,3 +226,7 @@ class ReplicaLoad(Event):
                                        description="prompts sent since the last message, for the others' "
                                                    "predicted blocks (kv-aware's approximate prefix mode)")
     final: bool = Field(default=False, description="the replica is stopping: forget its load now")
+
+    def to_json(self) -> bytes:
+        # a route without untokenized text leaves ``pieces`` out: readable by a replica from before the field
+        return self.model_dump_json(exclude_none=True).encode()

@@ -134,3 +134,29 @@ def test_a_plans_first_pieces_are_the_whole_texts_first_ids(seed):
             assert np.array_equal(ids, whole[: len(ids)]) and plan.chars(k) <= len(words)
         assert np.array_equal(plan.ids(len(plan)), whole)
         assert np.array_equal(np.asarray(tok.encode_array(words, add_special_tokens=True)), whole)
+
+
+def test_text_routed_to_an_engine_that_reported_it_is_not_predicted_again():
+    """A later prompt counts an earlier route's untokenized text as predicted on its engine only
+    past what that engine's events say it holds (a block held and later evicted must not stay
+    predicted: no event would confirm it again)."""
+    rnd = random.Random(11)
+    tok = HFTokenizer(FIXTURE)
+    doc = text(rnd, 8000)
+    svc = service()
+    _, d1 = route(svc, doc + " Question: " + text(rnd, 1500), 0)
+    pod = d1.target.pod
+    ids = tok.encode(doc, add_special_tokens=True)
+    held = len(ids) // BS // 2
+    hold(svc.index, pod, ids, held)  # the engine has reported the first half of the document
+    route(svc, doc + " Question: " + text(rnd, 1500), 1)
+    m = svc.index.match_tokens("m", ids).get(pod)
+    assert m is not None and m.matched_blocks >= len(ids) // BS - 600 // 3 // BS - 1  # the document, as before
+    assert m.matched_blocks - m.predicted_blocks == held  # the first half exact...
+    assert m.predicted_blocks == m.matched_blocks - held  # ...and only the rest predicted
+    # the engine evicts what it reported: the first half is no longer counted there
+    from schemas import BlockRemoved
+
+    hashes = [hash((pod, i, tuple(ids[:(i + 1) * BS]))) & (2**63 - 1) or 1 for i in range(held)]
+    svc.index.apply(KvEventBatch(pod=pod, model="m", seq=1, ts=time.time(), events=[BlockRemoved(block_hashes=hashes)]))
+    assert (svc.index.match_tokens("m", ids).get(pod) or (0,))[0] == 0

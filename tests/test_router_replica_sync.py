@@ -284,3 +284,46 @@ async def test_a_backend_full_with_the_other_replicas_requests_makes_this_one_qu
         for app in apps:
             await app.stop(drain=False)
         await eng.stop()
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_text_one_replica_left_untokenized_is_predicted_on_that_engine_by_the_other(share, nats_config, topology):
+    """A long new prompt is tokenized only in part (router.lazy_prompt); the other replica learns
+    where its untokenized text went, and a prompt sharing that text counts it as predicted there."""
+    from simulator.tokenizer import SimpleTokenizer
+
+    es = [await FakeEngine(p).start() for p in ("a", "b", "c")]
+    apps = [RouterApp(RouterConfig(strategy="kv-aware", seed=1, records=False, replica_sync_routes=share,
+                                   tokenizer="simple",
+                                   backends=[StaticBackend(pod=e.pod, url=e.url, model="m") for e in es]),
+                      nats_config, registry=CollectorRegistry()) for _ in range(2)]
+    doc = " ".join(f"doc{i}" for i in range(2500))  # about 6 of the toy tokenizer's memo pieces
+    doc_ids = SimpleTokenizer().encode(doc)
+    try:
+        for app in apps:
+            await app.start("127.0.0.1", 0)
+        one, two = apps
+        assert await wait_for(lambda: one.sync.peers and two.sync.peers, timeout=5)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(one.service.url + "/v1/completions",
+                              json={"model": "m", "prompt": doc + " first question", "max_tokens": 2}) as r:
+                served = (await r.json())["served_by"]
+            predicted = lambda: {p: m.predicted_blocks  # noqa: E731
+                                 for p, m in two.index.match_tokens("m", doc_ids).items() if m.matched_blocks}
+            await asyncio.sleep(0.5)  # the load messages have gone both ways meanwhile
+            # what one tokenized (its first piece) is predicted there at once, the rest is text
+            assert max(predicted().values(), default=0) < len(doc_ids) // 16 // 2
+            async with s.post(two.service.url + "/v1/router/decide",
+                              json={"model": "m", "prompt": doc + " another question"}) as r:
+                picked = (await r.json())["picked"]
+        got = predicted()
+        if share:
+            assert picked == served
+            assert got[served] >= len(doc_ids) // 16 - 2048 // 4 // 16  # the document, short of at most a piece
+        else:
+            assert got.get(served, 0) < len(doc_ids) // 16 // 2
+    finally:
+        for app in apps:
+            await app.stop(drain=False)
+        for e in es:
+            await e.stop()
