@@ -17,7 +17,8 @@ run router-long "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-ch
 run tokenizer "$P" -P bench/tokenizer_speed.py
 run kvsize "$P" -P bench/kv_query_size.py --queries 8000 --before-ref 5e5a381
 run quality "$P" -P bench/routing_quality.py --time-scale 2 -p round-robin -p least-load -p dynamo-cost -p kv-aware -p kv-aware-prefill
-run quality-http "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 3 -r kv-aware -r sglang:cache_aware -r vllm:cache_aware
+run quality-http "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 3 -r kv-aware -r sglang:cache_aware -r vllm:cache_aware --keep-kv "$OUT/kv.msgpack"
+run router-feed "$P" -P bench/router_feed.py "$OUT/kv.msgpack" --rounds 3
 run quality-http-busy "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 2 --cpu-hog 2 -r kv-aware -r sglang:cache_aware
 run ttft-floor "$P" -P bench/ttft_floor.py --live
 run records "$P" -P bench/records_publish.py --rounds 5
@@ -27,6 +28,8 @@ run quality-http-bursts "$P" -P bench/routing_http.py --trace "$OUT/bursts.jsonl
 run quality-http-replicas "$P" -P bench/routing_http.py --requests 400 --time-scale 8 --rounds 3 --replicas 2 -r kv-aware -r kv-aware+INFERNEX_ROUTER__REPLICA_SYNC=false -r sglang:cache_aware
 run router-long-hf "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3 --router-tokenizer tests/fixtures/tokenize
 run router-path "$P" -P bench/router_path.py --reps 5
+run router-path-fresh-32k "$P" -P bench/router_path.py --reps 5 --fresh --requests 3000 --router-tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
+run router-stream "$P" -P bench/router_stream.py --rounds 3
 run router-fresh-32k "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3 --fresh --router-tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
 run simulate "$BIN/infernex" simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl -p round-robin -p least-load -p kv-aware -p dynamo-cost --out "$OUT/sim-out"
 run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
