@@ -102,6 +102,20 @@ def cuts(text: str, size: int = PIECE) -> list[int]:
     return out
 
 
+def take(memo: OrderedDict, keys: Sequence[int]) -> list[np.ndarray | None]:
+    """The ids held under each key of an LRU piece memo (``key -> (ids, characters)``; None where
+    not held), each found one marked recently used."""
+    out: list[np.ndarray | None] = []
+    for k in keys:
+        v = memo.get(k)
+        if v is None:
+            out.append(None)
+        else:
+            memo.move_to_end(k)
+            out.append(v[0])
+    return out
+
+
 class PieceMemo:
     """Ids of long text from memoized pieces (kept as ``uint32`` arrays). ``encode_batch(texts,
     add_special_tokens)`` is the tokenizer's own batch encoder returning one id list per text.
@@ -135,16 +149,8 @@ class PieceMemo:
 
     def _take(self, keys: list[int]) -> list[np.ndarray | None]:
         """The memo's ids of each key (None where not held), marked recently used."""
-        held = self._held
-        found: list[np.ndarray | None] = []
         with self._lock:
-            for k in keys:
-                v = held.get(k)
-                if v is None:
-                    found.append(None)
-                else:
-                    held.move_to_end(k)
-                    found.append(v[0])
+            found = take(self._held, keys)
             n = sum(1 for f in found if f is not None)
             self.hits += n
             self.misses += len(keys) - n

@@ -518,16 +518,9 @@ class _SimplePieces:
         self.tok = tok
 
     def _take(self, keys: list[int]) -> list[np.ndarray | None]:
-        memo = self.tok._pieces
-        out: list[np.ndarray | None] = []
-        for k in keys:
-            v = memo.get(k)
-            if v is None:
-                out.append(None)
-            else:
-                memo.move_to_end(k)
-                out.append(v[0])
-        return out
+        from simulator.piece_memo import take
+
+        return take(self.tok._pieces, keys)
 
     def _fill(self, pieces: list[str], keys: list[int], found: list[np.ndarray | None], first_special: bool) -> None:
         """One kernel pass from the first piece not found to the last asked for, marking the edges."""

@@ -208,25 +208,37 @@ async def test_after_a_nats_kill9_the_replicas_find_each_other_and_their_counts_
         server.cleanup()
 
 
+def _kv_aware_pair(es, nats_config, share: bool, **kw) -> list[RouterApp]:
+    """Two kv-aware replicas over ``es``, sharing their routes or not."""
+    return [RouterApp(RouterConfig(strategy="kv-aware", seed=1, records=False, replica_sync_routes=share,
+                                   backends=[StaticBackend(pod=e.pod, url=e.url, model="m") for e in es], **kw),
+                      nats_config, registry=CollectorRegistry()) for _ in range(2)]
+
+
+async def _started(apps: list[RouterApp]) -> list[RouterApp]:
+    for app in apps:
+        await app.start("127.0.0.1", 0)
+    assert await wait_for(lambda: all(app.sync.peers for app in apps), timeout=5)
+    return apps
+
+
+async def _served_by(s: aiohttp.ClientSession, app: RouterApp, prompt: str) -> str:
+    async with s.post(app.service.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2}) as r:
+        return (await r.json())["served_by"]
+
+
 @pytest.mark.parametrize("share", [True, False])
 async def test_a_prompt_one_replica_routed_is_predicted_on_that_engine_by_the_other(share, nats_config, topology):
     from simulator.tokenizer import SimpleTokenizer
 
     es = [await FakeEngine(p).start() for p in ("a", "b", "c")]
-    apps = [RouterApp(RouterConfig(strategy="kv-aware", seed=1, records=False, replica_sync_routes=share,
-                                   backends=[StaticBackend(pod=e.pod, url=e.url, model="m") for e in es]),
-                      nats_config, registry=CollectorRegistry()) for _ in range(2)]
+    apps = _kv_aware_pair(es, nats_config, share)
     prompt = " ".join(f"doc{i}" for i in range(200))  # a long new prefix: no engine has seen it
     ids = SimpleTokenizer().encode(prompt)
     try:
-        for app in apps:
-            await app.start("127.0.0.1", 0)
-        one, two = apps
-        assert await wait_for(lambda: one.sync.peers and two.sync.peers, timeout=5)
+        one, two = await _started(apps)
         async with aiohttp.ClientSession() as s:
-            async with s.post(one.service.url + "/v1/completions",
-                              json={"model": "m", "prompt": prompt, "max_tokens": 2}) as r:
-                served = (await r.json())["served_by"]
+            served = await _served_by(s, one, prompt)
             held = lambda: {p: m.predicted_blocks for p, m in two.index.match_tokens("m", ids).items()  # noqa: E731
                             if m.matched_blocks}
             if share:
@@ -293,21 +305,13 @@ async def test_text_one_replica_left_untokenized_is_predicted_on_that_engine_by_
     from simulator.tokenizer import SimpleTokenizer
 
     es = [await FakeEngine(p).start() for p in ("a", "b", "c")]
-    apps = [RouterApp(RouterConfig(strategy="kv-aware", seed=1, records=False, replica_sync_routes=share,
-                                   tokenizer="simple",
-                                   backends=[StaticBackend(pod=e.pod, url=e.url, model="m") for e in es]),
-                      nats_config, registry=CollectorRegistry()) for _ in range(2)]
+    apps = _kv_aware_pair(es, nats_config, share, tokenizer="simple")
     doc = " ".join(f"doc{i}" for i in range(2500))  # about 6 of the toy tokenizer's memo pieces
     doc_ids = SimpleTokenizer().encode(doc)
     try:
-        for app in apps:
-            await app.start("127.0.0.1", 0)
-        one, two = apps
-        assert await wait_for(lambda: one.sync.peers and two.sync.peers, timeout=5)
+        one, two = await _started(apps)
         async with aiohttp.ClientSession() as s:
-            async with s.post(one.service.url + "/v1/completions",
-                              json={"model": "m", "prompt": doc + " first question", "max_tokens": 2}) as r:
-                served = (await r.json())["served_by"]
+            served = await _served_by(s, one, doc + " first question")
             predicted = lambda: {p: m.predicted_blocks  # noqa: E731
                                  for p, m in two.index.match_tokens("m", doc_ids).items() if m.matched_blocks}
             await asyncio.sleep(0.5)  # the load messages have gone both ways meanwhile
