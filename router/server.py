@@ -949,48 +949,61 @@ class RouterService:
         for p in ([d.prefill.pod] if d.prefill else []) + [t.pod]:
             if p not in flow.pods:
                 flow.pods.append(p)
-        rec = getattr(self.index, "record_route", None) if self.router.strategy.approximate else None
-        if rec is not None and flow.rreq.token_ids is not None and len(flow.rreq.token_ids):
-            try:
-                model = flow.rreq.index_model or flow.rreq.model  # a LoRA adapter's blocks live under its base
-                keys = self._prompt_keys(flow, self.index.block_size(model))
-                if keys is not None:
-                    pod = (d.prefill or t).pod
-                    # the blocks the engine already reported there need no prediction: only the rest
-                    held = 0
-                    if d.stages:
-                        st0 = d.stages[0]
-                        held = st0.overlap.get(pod, 0) - st0.predicted.get(pod, 0)
-                    todo = keys if held <= 0 else keys[held:]  # (empty when it holds them all)
-                    if len(todo):
-                        rec(model, pod, keys=todo)
-                    tail = flow.rreq.piece_tail  # the text past what was tokenized (router.lazy_prompt)
-                    if tail:
-                        self.piece_routes.add(model, tail, pod, time.monotonic())
-                    if self.on_route is not None and (len(todo) or tail):  # the other replicas (router.replica_sync)
-                        if tail:
-                            self.on_route(model, pod, todo, pieces=tail)
-                        else:
-                            self.on_route(model, pod, todo)
-            except (KeyError, ValueError, TypeError):
-                pass
+        self.predict_route(flow.rreq, d, lambda bs: self._prompt_keys(flow, bs))
 
-    @staticmethod
-    def _prompt_keys(flow: _Flow, block_size: int | None) -> Any:
-        """The whole prompt's block keys (under its LoRA adapter and cache salt) at ``block_size``, a
-        ``uint64`` array hashed once per request: the predicted blocks and the decision record use them."""
-        ids = flow.rreq.token_ids
+    def predict_route(self, rreq: RoutingRequest, d: Decision, keys_at: Callable[[int | None], Any]) -> None:
+        """With an approximate prefix scorer: the prompt's blocks count as predicted on the engine it
+        goes to (the prefill engine under PD) until that engine's KV events say what it holds; its
+        untokenized text (router.lazy_prompt) is remembered there too; both are shared with the
+        other replicas. ``keys_at(block_size)``: the prompt's block keys."""
+        rec = getattr(self.index, "record_route", None) if self.router.strategy.approximate else None
+        if rec is None or rreq.token_ids is None or not len(rreq.token_ids):
+            return
+        try:
+            model = rreq.index_model or rreq.model  # a LoRA adapter's blocks live under its base
+            keys = keys_at(self.index.block_size(model))
+            if keys is None:
+                return
+            pod = (d.prefill or d.target).pod
+            # the blocks the engine already reported there need no prediction: only the rest
+            held = 0
+            if d.stages:
+                st0 = d.stages[0]
+                held = st0.overlap.get(pod, 0) - st0.predicted.get(pod, 0)
+            todo = keys if held <= 0 else keys[held:]  # (empty when it holds them all)
+            if len(todo):
+                rec(model, pod, keys=todo)
+            tail = rreq.piece_tail  # the text past what was tokenized (router.lazy_prompt)
+            if tail:
+                self.piece_routes.add(model, tail, pod, time.monotonic())
+            if self.on_route is not None and (len(todo) or tail):  # the other replicas (router.replica_sync)
+                if tail:
+                    self.on_route(model, pod, todo, pieces=tail)
+                else:
+                    self.on_route(model, pod, todo)
+        except (KeyError, ValueError, TypeError):
+            pass
+
+    def request_keys(self, rreq: RoutingRequest, block_size: int | None) -> Any:
+        """The prompt's block keys at ``block_size`` (``uint64``), hashed once and kept on ``rreq``."""
+        ids = rreq.token_ids
         if ids is None or not len(ids) or not block_size:
             return None
-        if flow.keys is None and flow.rreq.prompt_keys is not None and flow.rreq.prompt_keys[0] == block_size:
-            flow.keys = flow.rreq.prompt_keys  # hashed while tokenizing (router.lazy_prompt)
-        if flow.keys is None or flow.keys[0] != block_size:
+        if rreq.prompt_keys is None or rreq.prompt_keys[0] != block_size:
             from streams.kv_index import block_key_array  # (the index module: loaded with the index)
             from streams.kv_keys import request_salt
 
-            r = flow.rreq
-            flow.keys = (block_size, block_key_array(ids, block_size, lora=r.lora, salt=request_salt(r.cache_salt)))
-        return flow.keys[1]
+            rreq.prompt_keys = (block_size, block_key_array(ids, block_size, lora=rreq.lora,
+                                                            salt=request_salt(rreq.cache_salt)))
+        return rreq.prompt_keys[1]
+
+    def _prompt_keys(self, flow: _Flow, block_size: int | None) -> Any:
+        """The whole prompt's block keys (under its LoRA adapter and cache salt) at ``block_size``, a
+        ``uint64`` array hashed once per request: the predicted blocks and the decision record use them."""
+        keys = self.request_keys(flow.rreq, block_size)
+        if keys is not None:
+            flow.keys = flow.rreq.prompt_keys
+        return keys
 
     async def _prefill(self, flow: _Flow, pb: BackendState, body: dict[str, Any]) -> dict | None:
         """PD stage one (fields per KV connector: :mod:`router.pd_protocol`); returns the decode's

@@ -31,9 +31,9 @@ def _backends(n=3, role="aggregated"):
 async def epp():
     made = []
 
-    async def make(backends=None, strategy="kv-aware", fallbacks=0, **cfg):
+    async def make(backends=None, strategy="kv-aware", fallbacks=0, index=None, **cfg):
         svc = RouterService(RouterConfig(strategy=strategy, backends=backends or _backends(), bus=False,
-                                         records=False, seed=5, **cfg))
+                                         records=False, seed=5, **cfg), index=index)
         srv = await start_epp(svc, "127.0.0.1", 0, fallbacks=fallbacks)
         ch = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
         made.append((srv, ch))
@@ -256,3 +256,23 @@ async def test_a_long_prompt_is_tokenized_on_the_tokenizer_threads(epp):
         out = await converse(stub, [headers_msg(), *body_msgs(chat(content))])
         assert P.DESTINATION in set_headers(out[0].request_headers.response)
     assert [(name.startswith("router-tokenize"), n) for name, n in seen] == [(True, 6800), (False, 5)]
+
+
+async def test_a_picked_prompt_counts_as_predicted_on_its_endpoint(epp):
+    """As the HTTP router: until the engine's KV events come, the prompt the picker just placed is
+    a predicted prefix on that engine, so the next request with it goes there too."""
+    from streams.clock import SystemClock
+    from streams.kv_index import KvIndex
+
+    svc, _, stub, _ = await epp(index=KvIndex(SystemClock(), default_block_size=16), tokenizer="simple")
+    body = chat(" ".join(f"word{i}" for i in range(400)))
+    ids = svc.encoder.encode("chat", msgspec.json.decode(body))
+    picked = []
+    for _ in range(3):
+        out = await converse(stub, [headers_msg(), *body_msgs(body)])
+        picked.append(set_headers(out[0].request_headers.response)[P.DESTINATION])
+        if len(picked) == 1:
+            pod = next(b.pod for b in svc.state.snapshot() if b.url.endswith(picked[0]))
+            m = svc.index.match_tokens(MODEL, ids).get(pod)
+            assert m is not None and m.predicted_blocks == m.matched_blocks >= (len(ids) - 1) // 16
+    assert len(set(picked)) == 1

@@ -14,7 +14,9 @@ body-aware pick is impossible there; a warning says so once).
 
 While the stream lives the pick counts as in flight on its backend (the router's own in-flight and
 active-token counters, which its load scorers read); the stream ends when Envoy is done with the
-request. Each pick is published as a routing decision (with its inputs, for ``replay explain``) and,
+request. With an approximate prefix scorer (kv-aware) the picked prompt counts as predicted on its
+engine until the engine's KV events say what it holds, as in the HTTP router, so a burst sharing a
+new prefix goes to one engine. Each pick is published as a routing decision (with its inputs, for ``replay explain``) and,
 when the gateway relays the response, as a request record for the SLA history
 (:mod:`router.epp.observe`).
 """
@@ -177,6 +179,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if d.prefill is not None:
             svc._pick(d.prefill.pod, "prefill")
         svc._pick(target.pod, "decode" if svc.router.strategy.pd else "aggregated")
+        # as the HTTP router: the prompt counts as predicted on its engine until the engine's events come
+        svc.predict_route(rreq, d, lambda bs: svc.request_keys(rreq, bs))
         self.picks += 1
         eps = [self.endpoint(target), *self._fallbacks(d)]
         return P.routing_mutation(eps, self.endpoint(d.prefill) if d.prefill is not None else None)
