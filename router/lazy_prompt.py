@@ -18,11 +18,14 @@ pieces (:class:`simulator.piece_memo.PiecePlan`) and tokenized from the front:
    as predicted on that engine, as if the first request had tokenized them: a burst of requests
    sharing a new document still goes to one engine.
 
-What the router reads is then exactly what it would read from the whole prompt's tokens: each
-engine's match ends inside the tokenized part (or the whole prompt was tokenized). What differs:
-``prompt_tokens`` is estimated for the untokenized rest (from the tokenized part's characters
-per token), decision records carry the block keys of the tokenized part, and route predictions
-shared with other router replicas cover the tokenized part only.
+Each engine's match on the blocks its KV events reported is then exactly what the whole
+prompt's tokens would give: it ends inside the tokenized part, or the whole prompt was
+tokenized. Predicted blocks from an earlier route of the same text count as far as that route's
+whole pieces (a whole-prompt prediction could reach up to one piece further, into the text where
+the two prompts part). What else differs: ``prompt_tokens`` is estimated for the untokenized rest
+(from the tokenized part's characters per token), decision records carry the block keys of the
+tokenized part, and the other router replicas get the untokenized text's piece keys
+(``RoutedPrompt.pieces``) besides the block keys.
 """
 
 from __future__ import annotations
