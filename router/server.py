@@ -575,13 +575,14 @@ class RouterService:
         lora = body.get("lora") if isinstance(body.get("lora"), str) else None
         model = body["model"]
         base = self._base_model(body, model)
-        # token ids only when the strategy reads them (prefix overlap, PD decider, buckets); an
-        # adapter's prompt with its base model's tokenizer, as the engine tokenizes it
         if base is not None:  # vLLM selects a LoRA adapter by its name in "model"
             lora = model
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         mt = body.get("max_completion_tokens") or body.get("max_tokens")
         rreq = RoutingRequest(model=model, request_id=rid, max_tokens=mt, lora=lora, cache_salt=salt, index_model=base)
+        # token ids only when the strategy reads them (prefix overlap, PD decider, buckets); an
+        # adapter's prompt with its base model's tokenizer, as the engine tokenizes it; a long text
+        # prompt only as far as an engine may hold it (router.lazy_prompt)
         if ids is _UNSET:
             lazy = self._lazy_plan(kind, body, rreq)
             if lazy is not None:
