@@ -78,16 +78,16 @@ def _index():
 
 
 def blocks_of(msgs: list[Msg]) -> int:
-    """Stored + removed block events of the messages (each group's batches decoded once)."""
-    from consumers.index_codec import fold_group
-    from schemas import kv_binary
+    """Stored + removed block events of the messages (a group's batches and single batches alike)."""
+    from consumers.index_codec import decode_batch, message_parts
 
     n = 0
     for m in msgs:
-        for w in fold_group(m.data) or []:
-            for e in w.events:
-                if type(e) is kv_binary.WStored or type(e) is kv_binary.WRemoved:
-                    n += len(e.block_hashes)
+        for part in message_parts(m.data):
+            for e in decode_batch(part).events:
+                hashes = getattr(e, "block_hashes", None)
+                if hashes is not None:
+                    n += len(hashes)
     return n
 
 
