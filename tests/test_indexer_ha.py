@@ -38,9 +38,12 @@ async def test_unreachable_bucket_replays_the_stream_and_never_blocks_the_fold(n
         await bus.publish(js, S.with_prefix(prefix, S.kv_events("m", "p")), b.to_json(), msg_id=b.msg_id)
 
     hang = asyncio.Event()
+    real_bucket = IndexerService._bucket
 
     async def unreachable(self):  # the bucket's stream leader is gone: requests time out
-        await hang.wait()
+        if not hang.is_set():
+            await hang.wait()
+        return await real_bucket(self)
 
     monkeypatch.setattr(IndexerService, "_bucket", unreachable)
     reg = CollectorRegistry()
@@ -60,6 +63,10 @@ async def test_unreachable_bucket_replays_the_stream_and_never_blocks_the_fold(n
         await _until(lambda: svc.index.pods()["p"].seq == 39, timeout=5)
         await _until(lambda: (reg.get_sample_value("infernex_indexer_snapshot_failures_total") or 0) >= 1)
         assert svc.snapshot_seq == 0
+        # the bucket answers again: the next snapshot opens it and is stored
+        hang.set()
+        await _until(lambda: svc.snapshot_seq >= 39, timeout=10)
+        assert (reg.get_sample_value("infernex_indexer_snapshots_total") or 0) >= 1
     finally:
         hang.set()
         await svc.stop()
