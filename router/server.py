@@ -192,7 +192,7 @@ class RouterService:
         self.records = records
         self.pd = PdProtocol(cfg.pd)
         self._capture = BackendCapture()  # the backends each decision read, for its record
-        self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size)
+        self.encoder = encoder or PromptEncoder(cfg.tokenizer, cfg.tokenizer_vocab_size, fast=cfg.tokenizer_fast)
         # long prompts' tokenizing, off the event loop (a tokenizer.json's encoder releases the GIL);
         # the threads start with the first such prompt
         self._tok_threads = cfg.tokenize_threads if cfg.tokenizer is not None else 0

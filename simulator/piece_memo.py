@@ -164,11 +164,11 @@ class PieceMemo:
             return
         first = missing[0] == 0 and first_special
         if first:  # the first piece with the special tokens, the rest without
-            found[0] = np.array(self._encode_batch([pieces[0]], True)[0], dtype=np.uint32)
+            found[0] = np.asarray(self._encode_batch([pieces[0]], True)[0], dtype=np.uint32)
         rest = missing[1:] if first else missing
         if rest:
             for i, ids in zip(rest, self._encode_batch([pieces[i] for i in rest], False)):
-                found[i] = np.array(ids, dtype=np.uint32)
+                found[i] = np.asarray(ids, dtype=np.uint32)
         held = self._held
         with self._lock:
             for i in missing:

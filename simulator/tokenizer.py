@@ -557,7 +557,10 @@ class HFTokenizer:
 
     releases_gil = True
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, fast: bool = False):
+        """``fast``: encode with tiktoken's BPE where this tokenizer converts to it with the same
+        ids (:mod:`simulator.fast_bpe`; ``fast_off`` says why not otherwise). The router asks for
+        it; the simulated engines keep ``tokenizers``, as vLLM does."""
         from tokenizers import Tokenizer as _HF
 
         p = Path(path)
@@ -575,6 +578,12 @@ class HFTokenizer:
         # 30% less CPU (bench/RESULTS.md, session 14); we never read the offsets
         self._batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         self.chat_template = load_chat_template(file.parent)
+        self._fast = None
+        self.fast_off: str | None = "not asked for"
+        if fast:
+            from simulator import fast_bpe
+
+            self._fast, self.fast_off = fast_bpe.load(file, self._tok)
         # long text from memoized pieces where the tokenizer's configuration allows it
         # (simulator.piece_memo); ``pieces_off`` says why not otherwise
         from simulator import piece_memo
@@ -585,18 +594,36 @@ class HFTokenizer:
         except (OSError, ValueError) as exc:
             why = f"cannot read {file.name}: {exc}"
         if why is None:
-            if piece_memo.self_check(self._encode_whole, self._encode_batch):
+            if piece_memo.self_check(self._hf_whole, self._hf_batch):  # (whether tokenizers' own ids join)
                 self.pieces = piece_memo.PieceMemo(self._encode_batch)
             else:
                 why = "a sample text encoded in pieces differs from the whole"
         self.pieces_off = why
 
-    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def _hf_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [e.ids for e in self._batch(texts, add_special_tokens=add_special_tokens)]
 
-    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _hf_whole(self, text: str, add_special_tokens: bool) -> list[int]:
         # a batch of one: the same ids as encode(), with the GIL released while it runs
         return self._batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _whole_array(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        if self._fast is not None:
+            try:
+                return self._fast.encode_array(text, add_special_tokens)
+            except UnicodeEncodeError:  # lone surrogates: tokenizers' own handling
+                pass
+        return np.array(self._hf_whole(text, add_special_tokens), dtype=np.uint32)
+
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[Any]:
+        if self._fast is None:
+            return self._hf_batch(texts, add_special_tokens)
+        return [self._whole_array(t, add_special_tokens) for t in texts]
+
+    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._fast is None:
+            return self._hf_whole(text, add_special_tokens)
+        return self._whole_array(text, add_special_tokens).tolist()
 
     def _from_pieces(self, text: str, specials: bool) -> np.ndarray | None:
         if self.pieces is None or len(text) < 2 * self.pieces.piece:
@@ -619,7 +646,7 @@ class HFTokenizer:
         """:meth:`encode` as a ``uint32`` array: what the router hashes into block keys."""
         specials = _wants_specials(text, add_special_tokens)
         ids = self._from_pieces(text, specials)
-        return ids if ids is not None else np.array(self._encode_whole(text, specials), dtype=np.uint32)
+        return ids if ids is not None else self._whole_array(text, specials)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
@@ -634,12 +661,12 @@ class HFTokenizer:
                                          chat_template_kwargs=chat_template_kwargs)
 
 
-def load_tokenizer(spec: str | None, vocab_size: int = 32_000) -> Tokenizer:
+def load_tokenizer(spec: str | None, vocab_size: int = 32_000, fast: bool = False) -> Tokenizer:
     """``None``/``"simple"`` -> :class:`SimpleTokenizer`; anything else is a local path to a
     ``tokenizer.json`` or its directory."""
     if spec is None or spec == "simple":
         return SimpleTokenizer(vocab_size)
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, fast=fast)
 
 
 # ---------------------------------------------------------------- requests -> ids
