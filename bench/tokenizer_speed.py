@@ -3,6 +3,7 @@
 ``tokenize``, which ``inspect`` imports.)
 
     PYTHONPATH=. python bench/tokenizer_speed.py [--chars 7400] [--prompts 400] [--before-ref 5e5a381]
+        [--tokenizer ~/.cache/infernex-bench/tokenizer-32000]
 
 Prompts are ~7.4k characters as in the router bench: one of 8 shared documents (~80% of the
 text) followed by a question of fresh random words, so each prompt shares a long prefix with
@@ -16,6 +17,9 @@ prompts:
   calls it (with BOS), and a chat request (template rendered once + encoded): each prompt encoded
   whole (as before simulator.piece_memo), then from memoized pieces (prompts with questions not
   seen before, and the steady state), as a list and as the ``uint32`` array the router asks for.
+* ``tiktoken``: the same tokenizer encoded by tiktoken's BPE (:mod:`simulator.fast_bpe`, the
+  router's ``tokenizer_fast``), whole and from memoized pieces; ``--tokenizer`` picks another
+  ``tokenizer.json`` for the HF and tiktoken rows.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=7400)
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokenizer", default=os.path.join(ROOT, "tests", "fixtures", "tokenize"),
+                    help="the tokenizer.json (or its folder) of the HF rows (default: the small parity fixture; "
+                    "bench/bench_tokenizer.py makes a 32k one)")
     ap.add_argument("--before-ref", default="5e5a381", help="git ref of the old tokenizer (default: the last "
                     "commit before session 5's change)")
     args = ap.parse_args()
@@ -102,7 +109,7 @@ def main() -> None:
     after.encode(prompts[0])
     rows.append(("SimpleTokenizer after, warm (unseen questions)", per_prompt(after.encode, fresh, 1)))
     rows.append(("SimpleTokenizer after, warm (steady state)", per_prompt(after.encode, prompts, args.reps)))
-    fixture = os.path.join(ROOT, "tests", "fixtures", "tokenize")
+    fixture = args.tokenizer
     whole = HFTokenizer(fixture)
     whole.pieces = None  # every prompt encoded whole (the tokenizer before simulator.piece_memo)
     hf = HFTokenizer(fixture)
@@ -123,6 +130,18 @@ def main() -> None:
     rows.append(("HF, memoized pieces, steady state", per_prompt(completion(hf), prompts, args.reps)))
     rows.append(("HF, memoized pieces, steady state, uint32 array", per_prompt(completion(hf, True), prompts,
                                                                               args.reps)))
+    fast_whole = HFTokenizer(fixture, fast=True)  # tiktoken's BPE (the router's tokenizer_fast)
+    assert fast_whole.fast_off is None, fast_whole.fast_off
+    fast_whole.pieces = None
+    fast = HFTokenizer(fixture, fast=True)
+    for p in prompts[:50] + fresh[:50]:
+        assert completion(fast_whole)(p) == completion(fast)(p) == completion(whole)(p), "tiktoken's ids differ"
+    rows.append(("tiktoken BPE (tokenizer_fast), completion + BOS, whole", per_prompt(completion(fast_whole),
+                                                                                      prompts, 1)))
+    rows.append(("tiktoken, memoized pieces, unseen questions", per_prompt(completion(fast), make_prompts(
+        args.prompts, args.chars, seed=4), 1)))
+    rows.append(("tiktoken, memoized pieces, steady state, uint32 array", per_prompt(completion(fast, True),
+                                                                                     prompts, args.reps)))
     rows.append(("HF, chat: template rendered once + encode, whole", per_prompt(chat(whole), prompts, 1)))
     rows.append(("HF, chat, memoized pieces, steady state, uint32 array", per_prompt(chat(hf, True), prompts,
                                                                                     args.reps)))

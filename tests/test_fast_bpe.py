@@ -131,7 +131,7 @@ def _tiny_bpe(merges: list[tuple[str, str]]) -> dict:
                       "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]}}
 
 
-def test_where_the_two_bpe_orders_part_the_load_check_refuses(tmp_path):
+def test_where_the_two_bpe_orders_part_the_load_checks_refuse(tmp_path, monkeypatch):
     # "he" is merged first, so tokenizers reads "the" as t + he; tiktoken also joins t + he, since
     # its bytes are the token "the" (made by the merge th + e, which tokenizers never reaches)
     parting = tmp_path / "parting.json"
@@ -140,6 +140,10 @@ def test_where_the_two_bpe_orders_part_the_load_check_refuses(tmp_path):
     assert fast_bpe.refusal(_config(parting)) is None  # the file's shape alone does not tell
     assert hf.encode("the", add_special_tokens=False).ids != [hf.token_to_id("the")]
     fast, why = fast_bpe.load(parting, hf)
+    assert fast is None and "of its own bytes" in why
+    # and were that check gone, the sample would catch it
+    monkeypatch.setattr(fast_bpe, "_self_made", lambda config, hf: None)
+    fast, why = fast_bpe.load(parting, hf)
     assert fast is None and "differ" in why
     assert HFTokenizer(parting, fast=True).fast_off == why  # and the tokenizer keeps tokenizers' ids
 
@@ -147,3 +151,17 @@ def test_where_the_two_bpe_orders_part_the_load_check_refuses(tmp_path):
     agreeing.write_text(json.dumps(_tiny_bpe([("t", "h"), ("h", "e"), ("th", "e")])))
     fast, why = fast_bpe.load(agreeing, Tokenizer.from_file(str(agreeing)))
     assert why is None and fast.encode_array("the the", False).tolist() == [258, 32, 258]
+
+
+def test_a_split_regex_that_leaves_characters_out_is_refused(claude, tmp_path):
+    # tiktoken drops what its regex does not match, tokenizers keeps it as a piece of its own
+    c = _config(claude)
+    c["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{L}+|\\p{N}+|\\s+|[\\p{P}\\p{S}]+"}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(c))
+    assert fast_bpe.refusal(c) is None
+    fast, why = fast_bpe.load(path, Tokenizer.from_file(str(path)))
+    assert fast is None and "differ" in why

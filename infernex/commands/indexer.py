@@ -43,7 +43,7 @@ def indexer(
         from simulator.tokenizer import load_tokenizer
 
         try:
-            tok = load_tokenizer(cfg.tokenizer)
+            tok = load_tokenizer(cfg.tokenizer, fast=True)  # the query path: tiktoken where it gives the same ids
         except Exception as exc:  # noqa: BLE001 - shown to the user
             err.print(f"[red]cannot load tokenizer {cfg.tokenizer!r}: {exc}[/red]")
             raise typer.Exit(2) from None
