@@ -85,6 +85,11 @@ def _pattern(pre: Any) -> tuple[str | None, str | None]:
 
 def refusal(config: dict[str, Any]) -> str | None:
     """None when this ``tokenizer.json`` content converts to tiktoken's BPE; else why not."""
+    return _shape_refusal(config) or _ranks(config)[1]
+
+
+def _shape_refusal(config: dict[str, Any]) -> str | None:
+    """:func:`refusal` but for the vocabulary and merges."""
     model = config.get("model") or {}
     if model.get("type") != "BPE":
         return f"model {model.get('type')!r}"
@@ -97,13 +102,13 @@ def refusal(config: dict[str, Any]) -> str | None:
     _, why = _pattern(config.get("pre_tokenizer"))
     if why:
         return why
-    norm = config.get("normalizer") is not None
+    norm = _normalizer(config.get("normalizer"))[0] is not None  # (an empty sequence normalizes nothing)
     for tok in config.get("added_tokens") or []:
         if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word"):
             return f"added token {tok.get('content')!r} strips or matches single words"
         if tok.get("normalized") and norm:
             return f"added token {tok.get('content')!r} is matched on normalized text"
-    return _ranks(config)[1]
+    return None
 
 
 def _ranks(config: dict[str, Any]) -> tuple[dict[bytes, int], str | None]:
@@ -179,14 +184,11 @@ def _affixes(hf: Any) -> tuple[list[int], list[int]] | None:
 
 
 class FastBPE:
-    """Encodes as the ``tokenizers`` tokenizer ``hf`` it was made from (see the module's notes)."""
+    """Encodes as the ``tokenizers`` tokenizer the config and ranks come from (see :func:`load`)."""
 
-    def __init__(self, config: dict[str, Any], hf: Any, affixes: tuple[list[int], list[int]]):
+    def __init__(self, config: dict[str, Any], ranks: dict[bytes, int], affixes: tuple[list[int], list[int]]):
         import tiktoken
 
-        ranks, why = _ranks(config)
-        if why:
-            raise ValueError(why)
         pattern, _ = _pattern(config.get("pre_tokenizer"))
         self._form, _ = _normalizer(config.get("normalizer"))
         self._enc = tiktoken.Encoding("infernex-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
@@ -276,7 +278,10 @@ def load(file: Path, hf: Any) -> tuple[FastBPE | None, str | None]:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         return None, f"cannot read {file.name}: {exc}"
-    why = refusal(config)
+    why = _shape_refusal(config)
+    if why:
+        return None, why
+    ranks, why = _ranks(config)
     if why:
         return None, why
     why = _self_made(config, hf)
@@ -285,7 +290,7 @@ def load(file: Path, hf: Any) -> tuple[FastBPE | None, str | None]:
     affixes = _affixes(hf)
     if affixes is None:
         return None, "the post-processor's special tokens are not a fixed prefix and suffix"
-    fast = FastBPE(config, hf, affixes)
+    fast = FastBPE(config, ranks, affixes)
     bad = agrees(fast.encode_array, lambda t, s: hf.encode(t, add_special_tokens=s).ids,
                  sample_texts(list(fast._added)))
     if bad is not None:
