@@ -6,6 +6,7 @@ two BPE orders part is caught by the load-time check."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import lzma
 import random
@@ -165,3 +166,56 @@ def test_a_split_regex_that_leaves_characters_out_is_refused(claude, tmp_path):
     assert fast_bpe.refusal(c) is None
     fast, why = fast_bpe.load(path, Tokenizer.from_file(str(path)))
     assert fast is None and "differ" in why
+
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("shape", ["llama3", "qwen2"])
+def test_llama3_and_qwen2_shaped_tokenizers_convert(shape, tmp_path):
+    """Trained here in their shapes: one Split regex (Llama 3's; Qwen 2's with single digits)
+    before a regex-less ByteLevel, ``ignore_merges`` as both set it; Llama 3 with its BOS
+    post-processor and special tokens, Qwen 2 with its NFC normalizer and none added."""
+    import sysconfig
+
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    spec = importlib.util.spec_from_file_location("bench_tokenizer", Path(__file__).parent.parent / "bench"
+                                                  / "bench_tokenizer.py")
+    bench_tokenizer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_tokenizer)
+    LLAMA3_SPLIT = bench_tokenizer.LLAMA3_SPLIT  # noqa: N806 - Llama 3's own regex
+
+    specials = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"] \
+        if shape == "llama3" else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    if shape == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT if shape == "llama3" else QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = [p.read_text(encoding="utf-8") for p in sorted(lib.glob("[a-f]*.py"))][:40] + _texts(9, 300)
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if shape == "llama3":
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", bos)])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    config = _config(path)
+    config["model"]["ignore_merges"] = True
+    path.write_text(json.dumps(config))
+    hf = Tokenizer.from_file(str(path))
+    fast, why = fast_bpe.load(path, hf)
+    assert why is None
+    texts = _texts(10, 1500) + [f"{s}user{s}\nhi{s}" for s in specials]
+    for t in texts:
+        for add in (False, True):
+            assert fast.encode_array(t, add).tolist() == _hf_ids(hf, t, add), (shape, t, add)
+    if shape == "llama3":
+        assert fast.encode_array("x", True)[0] == hf.token_to_id("<|begin_of_text|>")
