@@ -532,6 +532,9 @@ class RouterService:
         body = await self._read_json(request)
         kind = "chat" if "messages" in body else "completions"
         self._check_body(kind, body)
+        model = body.get("model")
+        if isinstance(model, str):
+            await self.encoder.load(model, self._base_model(body, model))  # (on a thread, the first time)
         rreq = self._routing_request(kind, body, request[_RID])
         decision = self._decide(rreq)
         return json_response({"request_id": request[_RID], "prompt_tokens": rreq.prompt_tokens,
@@ -664,11 +667,15 @@ class RouterService:
     async def _routing_request_async(self, kind: str, body: dict[str, Any], rid: str, raw_len: int) -> RoutingRequest:
         """:meth:`_routing_request`; a long prompt is tokenized on the tokenizer threads when its
         tokenizer releases the GIL (a ``tokenizer.json``), so the event loop serves other requests
-        meanwhile and several prompts are tokenized at once on a machine with the cores."""
-        if not self._tok_threads or raw_len < self.cfg.tokenize_offload_bytes:
-            return self._routing_request(kind, body, rid, raw_len)
+        meanwhile and several prompts are tokenized at once on a machine with the cores. A model's
+        tokenizer is loaded on a thread the first time it is needed (:meth:`PromptEncoder.load`)."""
         st = self.router.strategy
         model = body.get("model")
+        if (st.needs_overlap or st.pd) and isinstance(model, str) and not self.encoder.ready(
+                model, base := self._base_model(body, model)):
+            await self.encoder.load(model, base)
+        if not self._tok_threads or raw_len < self.cfg.tokenize_offload_bytes:
+            return self._routing_request(kind, body, rid, raw_len)
         if self.cfg.tokenize_lazily and st.needs_overlap and isinstance(model, str):
             tok = self.encoder.tokenizer_for(model, self._base_model(body, model))
             rreq = self._routing_request(kind, body, rid, raw_len, ids=None)  # everything but the ids
@@ -689,7 +696,7 @@ class RouterService:
         text = kind == "chat" or isinstance(body.get("prompt"), str)  # (token ids need no tokenizer)
         if not (st.needs_overlap or st.pd) or not isinstance(model, str) or not text:
             return self._routing_request(kind, body, rid, raw_len)
-        tok = self.encoder.tokenizer_for(model, self._base_model(body, model))  # (found and loaded here, on the loop)
+        tok = self.encoder.tokenizer_for(model, self._base_model(body, model))
         if tok is None or not getattr(tok, "releases_gil", False):
             return self._routing_request(kind, body, rid, raw_len)
         ids = await asyncio.get_running_loop().run_in_executor(self._pool(), self.encoder.encode_with, tok, kind, body)

@@ -24,14 +24,19 @@ Where a ``tokenizer.json`` converts to it (``tokenizer_fast``, :mod:`simulator.f
 ids are computed by tiktoken's BPE instead of ``tokenizers``': the same ids for about a sixth of
 the CPU, checked against ``tokenizers`` on a sample when the file is loaded.
 
+With ``auto``, a model's tokenizer is found and loaded the first time a request for it comes,
+on a thread (:meth:`PromptEncoder.load`): the event loop keeps serving meanwhile.
+
 ``encode`` returns ``None`` when the prompt cannot be tokenized, in which case the router routes
 without prefix information rather than failing the request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -109,6 +114,8 @@ class PromptEncoder:
         self._per_model: dict[str | tuple[str, str], Tokenizer] = {}
         self._by_file: dict[Path, Tokenizer] = {}
         self._overflow: Tokenizer | None = None
+        self._loading: dict[Any, asyncio.Future] = {}
+        self._load_lock = threading.Lock()
         if spec is not None and spec != "auto":
             self._tok = load_tokenizer(spec, vocab_size, fast=fast)
             _log_loaded(str(spec), self._tok)
@@ -120,6 +127,38 @@ class PromptEncoder:
     def enabled(self) -> bool:
         return self.spec is not None
 
+    def _key(self, model: Any, base: str | None) -> str | tuple[str, str]:
+        name = model if isinstance(model, str) else ""
+        return (name, base) if base else name
+
+    def ready(self, model: Any, base: str | None = None) -> bool:
+        """Whether :meth:`tokenizer_for` answers for ``model`` without reading a file."""
+        if self._tok is not None or self.spec is None:
+            return True
+        return self._key(model, base) in self._per_model or len(self._per_model) >= MAX_MODELS
+
+    async def load(self, model: Any, base: str | None = None) -> None:
+        """Find and load ``model``'s tokenizer on a thread, so the event loop goes on serving other
+        requests meanwhile: reading and checking a large tokenizer.json takes up to a second or two,
+        and until then every request on the loop would wait. Requests for the same model wait for
+        the one load."""
+        if self.ready(model, base):
+            return
+        key = self._key(model, base)
+        fut = self._loading.get(key)
+        if fut is None:
+            fut = self._loading[key] = asyncio.get_running_loop().run_in_executor(
+                None, self._load_locked, model, base)
+            fut.add_done_callback(lambda _f: self._loading.pop(key, None))
+        try:
+            await asyncio.shield(fut)
+        except Exception:  # noqa: BLE001 - tokenizer_for logs its own failures; the caller goes on without
+            log.exception("router tokenizer for model %r: loading failed", model)
+
+    def _load_locked(self, model: Any, base: str | None) -> Tokenizer | None:
+        with self._load_lock:  # (one file read at a time: two models may share one tokenizer.json)
+            return self.tokenizer_for(model, base)
+
     def tokenizer_for(self, model: Any, base: str | None = None) -> Tokenizer | None:
         """The tokenizer of a served model name. ``base``: the base model when ``model`` names a LoRA
         adapter; as vLLM, the adapter's own ``tokenizer.json`` when one is on this machine, else the
@@ -127,7 +166,7 @@ class PromptEncoder:
         if self._tok is not None or self.spec is None:
             return self._tok
         name = model if isinstance(model, str) else ""
-        key = (name, base) if base else name
+        key = self._key(model, base)
         tok = self._per_model.get(key)
         if tok is None and len(self._per_model) >= MAX_MODELS:
             # bounded: names past the first MAX_MODELS (unknown models, clients' typos) share the toy tokenizer
