@@ -77,7 +77,7 @@ class RouterConfig(_S):
     tokenizer_vocab_size: int = Field(default=32_000, gt=32, description="vocabulary of the 'simple' tokenizer")
     tokenizer_fast: bool = Field(
         default=True, description="encode with tiktoken's BPE a tokenizer.json that converts to it with the same ids "
-        "(byte-level BPE, one regex split, merges in id order, checked on a sample at load; about 6x less CPU: "
+        "(byte-level BPE, one regex split, merges in id order, checked on a sample at load; 4-6x less CPU: "
         "simulator/fast_bpe.py); false: always the tokenizers library")
     tokenize_threads: int = Field(
         default=2, ge=0, le=64,

@@ -2,7 +2,7 @@
 
 With the model's ``tokenizer.json``, the router spends most of a long prompt's CPU in
 ``tokenizers``' pre-tokenizer (its Oniguruma regex: about 0.2 us per character, bench/RESULTS.md
-session 16); tiktoken splits and merges the same text about six times faster. The two compute
+session 16); tiktoken splits and merges the same text four to six times faster. The two compute
 the same ids when the tokenizer is byte-level BPE with one regex split (GPT-2's built-in pattern,
 or one ``Split`` before a regex-less ``ByteLevel``, as Llama 3 and Qwen write theirs) and the
 merge list is in the vocabulary's id order: tiktoken merges the adjacent pair whose joined bytes
