@@ -219,3 +219,13 @@ def test_llama3_and_qwen2_shaped_tokenizers_convert(shape, tmp_path):
             assert fast.encode_array(t, add).tolist() == _hf_ids(hf, t, add), (shape, t, add)
     if shape == "llama3":
         assert fast.encode_array("x", True)[0] == hf.token_to_id("<|begin_of_text|>")
+
+
+def test_long_runs_of_one_character_give_tokenizers_ids(claude):
+    # one pre-token of thousands of bytes: the BPE's worst case (merges across the whole run)
+    hf = Tokenizer.from_file(str(claude))
+    fast, why = fast_bpe.load(claude, hf)
+    assert why is None
+    for s in ("a" * 20000, " " * 20000, "7" * 20000, "ab" * 10000, "!?" * 10000, "\n" * 5000 + "x",
+              "é" * 8000, "🙂" * 3000):
+        assert fast.encode_array(s, True).tolist() == _hf_ids(hf, s, True), s[:5]
