@@ -31,6 +31,8 @@ run router-path "$P" -P bench/router_path.py --reps 5
 run router-path-fresh-32k "$P" -P bench/router_path.py --reps 5 --fresh --requests 3000 --router-tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
 run router-stream "$P" -P bench/router_stream.py --rounds 3
 run router-fresh-32k "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3 --fresh --router-tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
+run router-fresh-32k-fast-ab "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies "kv-aware,kv-aware+INFERNEX_ROUTER__TOKENIZER_FAST=false" --rounds 5 --fresh --router-tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
+run tokenizer-32k "$P" -P bench/tokenizer_speed.py --tokenizer "$("$P" -P bench/bench_tokenizer.py | cut -d' ' -f1)"
 run simulate "$BIN/infernex" simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl -p round-robin -p least-load -p kv-aware -p dynamo-cost --out "$OUT/sim-out"
 run kvsvc "$P" -P bench/kv_index.py --service --events 40000 --rate 1000
 run kvlag "$P" -P bench/kv_index.py --service --events 2000 --rate 5000 --paced-workload steps
