@@ -217,6 +217,7 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None  # /v1/models fan-out
         self.upstream: UpstreamPool | None = None  # inference requests (the hot path)
         self._tasks: list[asyncio.Task] = []
+        self._preloads: set[asyncio.Task] = set()  # tokenizer loads started before any request asked
         self.url: str | None = None
         self._openapi: bytes | None = None
         self.app = self._build_app()
@@ -255,6 +256,7 @@ class RouterService:
             self.upstream = UpstreamPool(connect_timeout=self.cfg.connect_timeout_s,
                                          read_timeout=self.cfg.read_timeout_s)
         self._tasks.append(asyncio.create_task(self._refresher()))
+        self._preload_tokenizers()
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         await self.open()
@@ -274,7 +276,7 @@ class RouterService:
     async def stop(self) -> None:
         from consumers.bus import cancel_task
 
-        for t in self._tasks:
+        for t in [*self._tasks, *self._preloads]:
             await cancel_task(t)
         self._tasks.clear()
         await self.app.close(grace_s=1.0)
@@ -293,6 +295,19 @@ class RouterService:
             await asyncio.sleep(1.0)
             self.state.refresh()
             self.admission.resync(self.state.snapshot())
+            self._preload_tokenizers()
+
+    def _preload_tokenizers(self) -> None:
+        """Start loading the tokenizer of each model the backends serve (on a thread, once per model:
+        :meth:`PromptEncoder.load`), so that model's first requests find it loaded."""
+        st = self.router.strategy
+        if not (st.needs_overlap or st.pd) or not self.encoder.enabled:
+            return
+        for model in {b.model for b in self.state.snapshot()}:
+            if model and not self.encoder.ready(model) and not self.encoder.loading(model):
+                task = asyncio.create_task(self.encoder.load(model), name=f"tokenizer-{model}")
+                self._preloads.add(task)
+                task.add_done_callback(self._preloads.discard)
 
     # -- middleware: request id, auth, limits, errors ---------------------------------------
     async def _middleware(self, request: Request, handler):

@@ -24,8 +24,9 @@ Where a ``tokenizer.json`` converts to it (``tokenizer_fast``, :mod:`simulator.f
 ids are computed by tiktoken's BPE instead of ``tokenizers``': the same ids for about a sixth of
 the CPU, checked against ``tokenizers`` on a sample when the file is loaded.
 
-With ``auto``, a model's tokenizer is found and loaded the first time a request for it comes,
-on a thread (:meth:`PromptEncoder.load`): the event loop keeps serving meanwhile.
+With ``auto``, a model's tokenizer is found and loaded on a thread (:meth:`PromptEncoder.load`)
+as soon as the router knows a backend serving it, or when the first request for it comes: the
+event loop keeps serving meanwhile.
 
 ``encode`` returns ``None`` when the prompt cannot be tokenized, in which case the router routes
 without prefix information rather than failing the request.
@@ -136,6 +137,10 @@ class PromptEncoder:
         if self._tok is not None or self.spec is None:
             return True
         return self._key(model, base) in self._per_model or len(self._per_model) >= MAX_MODELS
+
+    def loading(self, model: Any, base: str | None = None) -> bool:
+        """Whether :meth:`load` is reading ``model``'s tokenizer now."""
+        return self._key(model, base) in self._loading
 
     async def load(self, model: Any, base: str | None = None) -> None:
         """Find and load ``model``'s tokenizer on a thread, so the event loop goes on serving other

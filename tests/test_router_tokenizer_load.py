@@ -1,7 +1,8 @@
 """A served model's tokenizer.json (``tokenizer: auto``) is found and loaded on a thread the
 first time a request needs it: reading and checking a large one takes up to a second or two, and
 the router's event loop keeps answering other requests meanwhile. Requests for that model wait for
-the one load, then are tokenized with it."""
+the one load, then are tokenized with it. The models the backends serve are loaded so from the
+start, before any request asks."""
 
 from __future__ import annotations
 
@@ -83,3 +84,39 @@ async def test_the_first_requests_wait_for_one_load_off_the_event_loop(tmp_path,
         await svc.stop()
         for e in engines:
             await e.stop()
+
+
+async def test_the_backends_models_are_loaded_before_any_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(_hub(tmp_path)))
+    loads = []
+    real = rtok.load_tokenizer
+
+    def counted(spec, *a, **kw):
+        loads.append(spec)
+        return real(spec, *a, **kw)
+
+    monkeypatch.setattr(rtok, "load_tokenizer", counted)
+    cfg = RouterConfig(backends=[StaticBackend(pod=p, url=f"http://127.0.0.1:9/{p}", model="acme/tiny")
+                                 for p in ("a", "b")], bus=False, records=False, strategy="kv-aware", tokenizer="auto")
+    svc = RouterService(cfg)
+    await svc.start("127.0.0.1", 0)
+    try:
+        assert svc.encoder.loading("acme/tiny") or svc.encoder.ready("acme/tiny")  # begun at start
+        for _ in range(100):
+            if svc.encoder.ready("acme/tiny"):
+                break
+            await asyncio.sleep(0.05)
+        assert svc.encoder.ready("acme/tiny") and not svc.encoder.loading("acme/tiny")
+        assert isinstance(svc.encoder.tokenizer_for("acme/tiny"), HFTokenizer)
+        await asyncio.sleep(1.2)  # the refresher's next pass finds it loaded: no second load
+        assert len(loads) == 1
+    finally:
+        await svc.stop()
+
+    rr = RouterService(cfg.model_copy(update={"strategy": "round-robin"}))  # reads no prefixes: loads nothing
+    await rr.start("127.0.0.1", 0)
+    try:
+        await asyncio.sleep(0.2)
+        assert not rr.encoder.ready("acme/tiny") and len(loads) == 1
+    finally:
+        await rr.stop()
