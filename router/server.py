@@ -686,13 +686,14 @@ class RouterService:
         tokenizer is loaded on a thread the first time it is needed (:meth:`PromptEncoder.load`)."""
         st = self.router.strategy
         model = body.get("model")
-        if (st.needs_overlap or st.pd) and isinstance(model, str) and not self.encoder.ready(
-                model, base := self._base_model(body, model)):
+        reads = (st.needs_overlap or st.pd) and isinstance(model, str)  # the prompt's tokens, to route
+        base = self._base_model(body, model) if reads else None
+        if reads and not self.encoder.ready(model, base):
             await self.encoder.load(model, base)
         if not self._tok_threads or raw_len < self.cfg.tokenize_offload_bytes:
             return self._routing_request(kind, body, rid, raw_len)
         if self.cfg.tokenize_lazily and st.needs_overlap and isinstance(model, str):
-            tok = self.encoder.tokenizer_for(model, self._base_model(body, model))
+            tok = self.encoder.tokenizer_for(model, base)
             rreq = self._routing_request(kind, body, rid, raw_len, ids=None)  # everything but the ids
             lazy = self._lazy_plan(kind, body, rreq)
             if lazy is not None:  # the pieces to encode on a tokenizer thread, the index read here
@@ -709,9 +710,9 @@ class RouterService:
                         self._lazy_finish(rreq, lazy, done.value)
                         return rreq
         text = kind == "chat" or isinstance(body.get("prompt"), str)  # (token ids need no tokenizer)
-        if not (st.needs_overlap or st.pd) or not isinstance(model, str) or not text:
+        if not reads or not text:
             return self._routing_request(kind, body, rid, raw_len)
-        tok = self.encoder.tokenizer_for(model, self._base_model(body, model))
+        tok = self.encoder.tokenizer_for(model, base)
         if tok is None or not getattr(tok, "releases_gil", False):
             return self._routing_request(kind, body, rid, raw_len)
         ids = await asyncio.get_running_loop().run_in_executor(self._pool(), self.encoder.encode_with, tok, kind, body)

@@ -21,8 +21,8 @@ document, a conversation's earlier turns) is tokenized once: by the toy tokenize
 text's (:mod:`simulator.piece_memo`; the log line naming the tokenizer says which).
 
 Where a ``tokenizer.json`` converts to it (``tokenizer_fast``, :mod:`simulator.fast_bpe`), the
-ids are computed by tiktoken's BPE instead of ``tokenizers``': the same ids for about a sixth of
-the CPU, checked against ``tokenizers`` on a sample when the file is loaded.
+ids are computed by tiktoken's BPE instead of ``tokenizers``': the same ids for a quarter to a
+sixth of the CPU, checked against ``tokenizers`` on a sample when the file is loaded.
 
 With ``auto``, a model's tokenizer is found and loaded on a thread (:meth:`PromptEncoder.load`)
 as soon as the router knows a backend serving it, or when the first request for it comes: the
