@@ -15,8 +15,9 @@ What is not proven: for a vocabulary with one merge per token (one trained by ``
 GPT-2's), a pair whose joined bytes are a token by another merge could be merged by tiktoken and
 not by ``tokenizers``. :func:`load` refuses a vocabulary where a token's own bytes show it (the
 BPE does not make that token of them); a pair met only inside longer words is left to the sample
-check, and no such text was found on the real tokenizers we test (tests/test_fast_bpe.py). Unicode tables may differ between the two regex engines and Python's
-``unicodedata`` (for NFC/NFKC) for characters assigned in recent Unicode versions.
+check, and no such text was found on the real tokenizers we test (tests/test_fast_bpe.py).
+Unicode tables may differ between the two regex engines and Python's ``unicodedata`` (for
+NFC/NFKC) for characters assigned in recent Unicode versions.
 
 Added tokens (``<|begin_of_text|>`` and the like) are split out of the text first, longest first,
 as ``tokenizers`` does; the post-processor's own tokens (BOS) are read off ``tokenizers`` itself.
