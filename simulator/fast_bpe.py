@@ -228,8 +228,7 @@ class FastBPE:
             parts.append(self._suffix)
         if len(parts) == 1 and isinstance(parts[0], np.ndarray):
             return parts[0]
-        return np.concatenate([np.asarray(p, dtype=np.uint32) for p in parts]) if parts \
-            else np.zeros(0, dtype=np.uint32)
+        return np.concatenate([np.asarray(p, dtype=np.uint32) for p in parts])  # (never empty: the text's part)
 
 
 _SAMPLE = ("The quick brown fox jumps over the lazy dog 1234567 times; it's, we'll, they'RE \"quoted\"\n\n"
