@@ -2,7 +2,7 @@
 concurrent clients, and the time of one routing decision.
 
     /work/venv/bin/python bench/router.py [--backends 64] [--requests 2000] [--concurrency 64]
-        [--prompt-chars 7400] [--before-ref main] [--strategies kv-aware] [--peers sglang-router]
+        [--prompt-chars 7400] [--before-ref main] [--strategies kv-aware] [--peers sglang-router] [--stream 32]
 
 ``--router-tokenizer PATH`` has our routers tokenize with that ``tokenizer.json`` (the fake
 engines do not care). ``--prompt-chars N`` sends prompts of N characters (from a pool of distinct prompts: one of 8
@@ -11,6 +11,9 @@ of the short "hello bench"; with ``--fresh`` no flat-out request repeats a promp
 round resends the pool's first prompts, whose pieces the tokenizer memo then holds). ``--before-ref REF`` runs the same strategies a second time from the
 code at git REF (extracted with ``git archive``), side by side in the same run. ``--peers`` names
 peer routers to create in a cache venv (bench/peers.py) when the current interpreter lacks them.
+``--stream N`` has every request streamed, the engines sending N tokens one SSE event each (as a
+chat client reads an answer); without it each answer is a 2-token JSON body, which leaves the
+router's own work per request most of what is measured.
 
 Fake engines (router.testing, 64 in one process) and the router (``infernex router --no-bus``) each
 run in their own process; this process is the client. Added latency = router p50/p99 minus direct
@@ -199,7 +202,7 @@ def decision_time(backends=64, reps=3000):
 
 
 async def main_async(args):
-    eng = subprocess.Popen([PY, "-m", "router.testing", str(args.backends), "2"], cwd=ROOT,
+    eng = subprocess.Popen([PY, "-m", "router.testing", str(args.backends), str(args.stream or 2)], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     procs = [eng]
     try:
@@ -318,6 +321,8 @@ def main():
     ap.add_argument("--router-tokenizer", default=None,
                     help="our routers tokenize with this tokenizer.json (or its folder) instead of the toy one, "
                          "e.g. tests/fixtures/tokenize")
+    ap.add_argument("--stream", type=int, default=0,
+                    help="stream the answers, this many tokens each (one event per token; 0: a 2-token JSON answer)")
     ap.add_argument("--baseline", default=None,
                     help="source tree of an earlier version: its router runs in the same rounds ('before ...')")
     args = ap.parse_args()
@@ -331,6 +336,9 @@ def main():
     if args.prompt_chars:
         prompts = _bench_module("tokenizer_speed").make_prompts(args.prompt_pool, args.prompt_chars)
         BODIES[:] = [{"model": "m", "prompt": p, "max_tokens": 2} for p in prompts]
+    if args.stream:  # streamed answers of that many tokens (one SSE event each, as an engine sends them)
+        for b in BODIES:
+            b.update(stream=True, max_tokens=args.stream)
         print(f"prompts: {len(prompts)} distinct of {args.prompt_chars} chars")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     for name, (p50, p99, o50, o99) in ({} if args.fresh else decision_time(args.backends)).items():

@@ -414,7 +414,10 @@ async def main_async(args) -> None:
                     for url in urls:
                         await wait_ready(url, ready_path="/ready" if ours else None)
                     ready_s = time.monotonic() - t_ready
-                    await asyncio.sleep(1.5)  # load state from the metrics collector
+                    await asyncio.sleep(0.5)  # load state from the metrics collector
+                    c_idle, t_idle = sum(_cpu_seconds(pr.pid) for pr in procs), time.monotonic()
+                    await asyncio.sleep(1.0)  # (and the router's CPU with no request: its background work)
+                    idle = (sum(_cpu_seconds(pr.pid) for pr in procs) - c_idle) / (time.monotonic() - t_idle)
                     s0 = await engine_counters(ctl, engines)
                     cpu0 = sum(_cpu_seconds(pr.pid) for pr in procs)  # start-up (imports, JIT warm-up) left out
                     t = time.monotonic()
@@ -440,7 +443,7 @@ async def main_async(args) -> None:
                 # after the first token: the decode phase, which the requests sharing an engine slow down
                 decode = [r.e2e_s - r.ttft_s for r in ok if r.e2e_s is not None and r.ttft_s is not None]
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
-                       "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1),
+                       "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1), "idle_ms_per_s": 1000 * idle,
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
@@ -458,7 +461,7 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
+                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
@@ -474,7 +477,7 @@ async def main_async(args) -> None:
 
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.3f}s (decode {med('decode50'):.3f}s)  "
-                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req")
+                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req, idle {med('idle_ms_per_s'):.0f} ms/s")
     finally:
         try:
             for h in hogs:
