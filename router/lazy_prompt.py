@@ -8,7 +8,10 @@ pieces (:class:`simulator.piece_memo.PiecePlan`) and tokenized from the front:
 
 1. the leading pieces the memo holds (a lookup each), the first piece it does not hold, and every
    further piece of text this router recently sent somewhere untokenized (see 3), whose blocks
-   then count as predicted on that engine;
+   then count as predicted on that engine. Without such routes the first piece not held is
+   tokenized in sub-pieces of about a quarter piece, as in 2: it usually starts with text an
+   engine holds (a shared document's end, memoized as sub-pieces when an earlier prompt had it)
+   and ends in new text (the question), so only the sub-piece where the text parts is encoded;
 2. then, while some engine holds (or is predicted to hold) every block tokenized so far, more
    pieces: one, then two, four... (so a cache that reaches further is matched exactly: after a
    router restart the index knows blocks the memo never saw);
@@ -89,39 +92,59 @@ def first_pieces(plan: Any, routes: PieceRoutes, model: str, now: float) -> tupl
 
 def lazy_steps(plan: Any, routes: PieceRoutes, model: str, now: float, block_size: int, *,
                keys_of: Callable[[Any], Any], matched: Callable[[Any], int],
-               materialize: Callable[[str, Any], None]) -> Generator[int, Any, tuple[Any, Any, int]]:
-    """Steps 1 and 2 of the module's description as a generator: it yields how many leading
-    pieces it needs the ids of and is sent those ids (:func:`run` encodes them on the spot, the
-    router's async path on a tokenizer thread); returns (ids, their block keys, pieces covered).
-    ``keys_of(ids)``: the ids' block keys; ``matched(keys)``: the most leading blocks any engine
-    holds or is predicted to hold; ``materialize(pod, keys)``: count ``keys`` as predicted there."""
+               materialize: Callable[[str, Any], None]) -> Generator[tuple[int, int], Any, tuple[Any, Any, int, int]]:
+    """Steps 1 and 2 of the module's description as a generator: it yields how far it needs the
+    ids, ``(k, j)``: the first ``k`` pieces and the first ``j`` sub-pieces of piece ``k``
+    (``PiecePlan.ids_at``), and is sent those ids (:func:`run` encodes them on the spot, the
+    router's async path on a tokenizer thread); returns (ids, their block keys, whole pieces
+    covered, characters covered). ``keys_of(ids)``: the ids' block keys; ``matched(keys)``: the
+    most leading blocks any engine holds or is predicted to hold; ``materialize(pod, keys)``:
+    count ``keys`` as predicted there.
+
+    The first piece the memo does not hold is tokenized sub-piece by sub-piece, as the pieces
+    after it (the first one not held, then while some engine holds every block so far one, two,
+    four... more): its sub-pieces of text an earlier prompt had are held, and the one where this
+    prompt's text is new usually ends the walk."""
     n = len(plan)
     k, routed = first_pieces(plan, routes, model, now)
-    ids = yield k
-    keys = keys_of(ids)
-    for pod, i in routed.items():
-        materialize(pod, keys[: plan.tokens_through(i) // block_size])
+    if not routed and k == plan.lead + 1 and plan.splits(plan.lead) > 1:
+        i, subs = plan.lead, plan.splits(plan.lead)
+        j = min(subs, plan.sub_lead(i) + 1)
+        step = 1
+        while True:
+            ids = yield (i, j)
+            keys = keys_of(ids)
+            if j >= subs:
+                break  # the whole piece: on piece by piece
+            if not (len(keys) and matched(keys) >= len(keys)):
+                return ids, keys, i, plan.chars_at(i, j)
+            j = min(subs, j + step)
+            step *= 2
+    else:
+        ids = yield (k, 0)
+        keys = keys_of(ids)
+        for pod, i in routed.items():
+            materialize(pod, keys[: plan.tokens_through(i) // block_size])
     step = 1
     while k < n and len(keys) and matched(keys) >= len(keys):
         k = min(n, k + step)
         step *= 2
-        ids = yield k
+        ids = yield (k, 0)
         keys = keys_of(ids)
-    return ids, keys, k
+    return ids, keys, k, plan.chars(k)
 
 
-def run(steps: Generator[int, Any, tuple[Any, Any, int]], plan: Any) -> tuple[Any, Any, int]:
+def run(steps: Generator[tuple[int, int], Any, tuple[Any, Any, int, int]], plan: Any) -> tuple[Any, Any, int, int]:
     """:func:`lazy_steps` driven here, each step's ids encoded on the spot."""
-    k = next(steps)
+    at = next(steps)
     while True:
         try:
-            k = steps.send(plan.ids(k))
+            at = steps.send(plan.ids_at(*at))
         except StopIteration as done:
             return done.value
 
 
-def estimate_tokens(plan: Any, k: int, n_ids: int) -> int:
-    """Prompt tokens: ``n_ids`` for the first ``k`` pieces, the rest at their characters per token."""
-    done = plan.chars(k)
+def estimate_tokens(plan: Any, done: int, n_ids: int) -> int:
+    """Prompt tokens: ``n_ids`` for the first ``done`` characters, the rest at their characters per token."""
     rest = len(plan.text) - done
     return n_ids + (round(rest * n_ids / done) if rest > 0 and done > 0 else 0)

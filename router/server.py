@@ -669,10 +669,10 @@ class RouterService:
     @staticmethod
     def _lazy_finish(rreq: RoutingRequest, lazy: tuple[Any, Any, int], done: tuple[Any, Any, int]) -> None:
         plan, _, bs = lazy
-        ids, keys, k = done
+        ids, keys, k, chars = done
         rreq.token_ids = ids
         rreq.prompt_keys = (bs, keys)
-        rreq.prompt_tokens = lazy_prompt.estimate_tokens(plan, k, len(ids))
+        rreq.prompt_tokens = lazy_prompt.estimate_tokens(plan, chars, len(ids))
         rreq.piece_tail = [plan.chain(i) for i in range(k, len(plan))] if k < len(plan) else None
 
     def _base_model(self, body: dict[str, Any], model: str) -> str | None:
@@ -698,14 +698,14 @@ class RouterService:
             lazy = self._lazy_plan(kind, body, rreq)
             if lazy is not None:  # the pieces to encode on a tokenizer thread, the index read here
                 plan, steps, _ = lazy
-                k = next(steps)
+                at = next(steps)
                 while True:
-                    if getattr(tok, "releases_gil", False) and plan.missing_chars(k) >= self.cfg.tokenize_offload_bytes:
-                        ids = await asyncio.get_running_loop().run_in_executor(self._pool(), plan.ids, k)
+                    if getattr(tok, "releases_gil", False) and plan.missing_chars_at(*at) >= self.cfg.tokenize_offload_bytes:
+                        ids = await asyncio.get_running_loop().run_in_executor(self._pool(), plan.ids_at, *at)
                     else:
-                        ids = plan.ids(k)
+                        ids = plan.ids_at(*at)
                     try:
-                        k = steps.send(ids)
+                        at = steps.send(ids)
                     except StopIteration as done:
                         self._lazy_finish(rreq, lazy, done.value)
                         return rreq

@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 
 PIECE = 512  # characters per piece, at least (a piece ends at the first safe cut after that)
+SUB_PIECE = 128  # characters per sub-piece: the first piece not held is tokenized this finely (PiecePlan.ids_at)
 MEMO_CHARS = 8 << 20  # text held, in characters, at most (least recently used first out): <= 32 MB of ids
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _LETTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -145,7 +146,22 @@ class PieceMemo:
         cs = cuts(text, self.piece)
         if not cs:
             return None
-        return PiecePlan(self, text, [0, *cs, len(text)], add_special_tokens)
+        return PiecePlan(self, text, [0, *cs, len(text)], add_special_tokens, self._sub_cuts)
+
+    def _sub_cuts(self, piece: str) -> list[int]:
+        return cuts(piece, max(1, min(SUB_PIECE, self.piece // 4)))
+
+    def put(self, key: int, ids: np.ndarray, chars: int) -> None:
+        """Keep ``ids`` (a piece of ``chars`` characters assembled from its sub-pieces) under ``key``."""
+        held = self._held
+        with self._lock:
+            old = held.pop(key, None)
+            if old is not None:
+                self._chars -= old[1]
+            held[key] = (ids, chars)
+            self._chars += chars
+            while self._chars > self.max_chars and len(held) > 1:
+                self._chars -= held.popitem(last=False)[1][1]
 
     def _take(self, keys: list[int]) -> list[np.ndarray | None]:
         """The memo's ids of each key (None where not held), marked recently used."""
@@ -189,11 +205,20 @@ class PiecePlan:
     ``i``. ``lead`` is how many leading pieces the memo held when the plan was made (their ids
     cost a lookup). ``ids(k)`` is the ids of the first ``k`` pieces: exactly the whole text's ids
     when ``k`` is every piece, and a prefix of them otherwise (cuts fall where the tokenizer
-    always splits). Thread-safe as the memo is."""
+    always splits).
 
-    __slots__ = ("memo", "text", "bounds", "pieces", "keys", "specials", "lead", "_ids", "_ends", "_chain")
+    A piece can be tokenized in finer steps: ``sub_cut(piece text)`` gives safe cuts inside it
+    (sub-pieces, memoized like pieces under the hash of their text), and ``ids_at(k, j)`` is the
+    ids of the first ``k`` pieces and the first ``j`` sub-pieces of piece ``k``. The first piece
+    not held usually holds both text an engine holds (the end of a shared document) and new text
+    (a new question): its sub-pieces up to the new text are held from an earlier prompt, and only
+    the one where the text parts needs encoding. Thread-safe as the memo is."""
 
-    def __init__(self, memo: PieceMemo, text: str, bounds: list[int], specials: bool):
+    __slots__ = ("memo", "text", "bounds", "pieces", "keys", "specials", "lead", "_ids", "_ends", "_chain",
+                 "_sub_cut", "_subs")
+
+    def __init__(self, memo: Any, text: str, bounds: list[int], specials: bool,
+                 sub_cut: Callable[[str], list[int]] | None = None):
         self.memo, self.text, self.bounds, self.specials = memo, text, bounds, specials
         self.pieces = [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
         h = xxhash.xxh3_128_intdigest
@@ -208,6 +233,8 @@ class PiecePlan:
         self.lead = lead
         self._ends: list[int] | None = None
         self._chain: list[int] | None = None
+        self._sub_cut = sub_cut
+        self._subs: dict[int, tuple[list[int], list[str], list[int], list[np.ndarray | None]]] = {}
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -228,6 +255,70 @@ class PiecePlan:
     def missing_chars(self, k: int) -> int:
         """Characters of the first ``k`` pieces not encoded yet (what :meth:`ids` would encode)."""
         return sum(len(self.pieces[i]) for i in range(k) if self._ids[i] is None)
+
+    # -- sub-pieces ------------------------------------------------------------------------
+    def _sub(self, i: int) -> tuple[list[int], list[str], list[int], list[np.ndarray | None]]:
+        """Piece ``i``'s sub-pieces: (bounds in the text, texts, memo keys, ids held or None)."""
+        got = self._subs.get(i)
+        if got is None:
+            piece, start = self.pieces[i], self.bounds[i]
+            inner = self._sub_cut(piece) if self._sub_cut is not None and self._ids[i] is None else []
+            b = [start, *(start + c for c in inner), self.bounds[i + 1]]
+            texts = [piece] if not inner else [self.text[b[t]:b[t + 1]] for t in range(len(b) - 1)]
+            h = xxhash.xxh3_128_intdigest
+            first = i == 0 and self.specials  # (the text's first sub-piece carries the special tokens)
+            keys = [self.keys[i]] if not inner else \
+                [h(x.encode("utf-8", "surrogatepass"), 1 if (first and t == 0) else 0) for t, x in enumerate(texts)]
+            found = [self._ids[i]] if not inner else self.memo._take(keys)
+            got = self._subs[i] = (b, texts, keys, found)
+        return got
+
+    def splits(self, i: int) -> int:
+        """How many sub-pieces piece ``i`` has (1: it is tokenized whole)."""
+        return len(self._sub(i)[1])
+
+    def sub_lead(self, i: int) -> int:
+        """How many leading sub-pieces of piece ``i`` the memo holds."""
+        n = 0
+        for f in self._sub(i)[3]:
+            if f is None:
+                break
+            n += 1
+        return n
+
+    def chars_at(self, k: int, j: int = 0) -> int:
+        """Characters in the first ``k`` pieces and the first ``j`` sub-pieces of piece ``k``."""
+        return self.bounds[k] if j == 0 else self._sub(k)[0][j]
+
+    def missing_chars_at(self, k: int, j: int = 0) -> int:
+        """What :meth:`ids_at` would encode, in characters."""
+        n = self.missing_chars(k)
+        if j:
+            _, texts, _, found = self._sub(k)
+            n += sum(len(texts[t]) for t in range(j) if found[t] is None)
+        return n
+
+    def ids_at(self, k: int, j: int = 0) -> np.ndarray:
+        """The ids of the first ``k`` pieces and the first ``j`` sub-pieces of piece ``k``: a prefix
+        of the whole text's ids, as :meth:`ids`. All of piece ``k``'s sub-pieces make the piece,
+        which is then kept in the memo as one."""
+        if j == 0:
+            return self.ids(k)
+        _, texts, keys, found = self._sub(k)
+        if len(texts) == 1:  # (no inner cut: the piece whole)
+            return self.ids(k + 1)
+        if any(f is None for f in found[:j]):
+            part = found[:j]
+            self.memo._fill(texts[:j], keys[:j], part, k == 0 and self.specials)
+            found[:j] = part
+        if j >= len(texts) and self._ids[k] is None:
+            whole = found[0] if len(found) == 1 else np.concatenate(found)
+            self._ids[k] = whole
+            self.memo.put(self.keys[k], whole, len(self.pieces[k]))
+            self._ends = None
+            return self.ids(k + 1)
+        parts = ([self.ids(k)] if k else []) + found[:j]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def tokens_through(self, i: int) -> int:
         """How many ids the first ``i + 1`` pieces have (those pieces already encoded)."""

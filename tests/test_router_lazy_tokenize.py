@@ -136,6 +136,74 @@ def test_a_plans_first_pieces_are_the_whole_texts_first_ids(seed):
         assert np.array_equal(np.asarray(tok.encode_array(words, add_special_tokens=True)), whole)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_sub_pieces_give_the_whole_texts_first_ids(seed):
+    """``ids_at(k, j)``: the first k pieces and j sub-pieces of the next, any memo state before
+    (some pieces and sub-pieces held from an earlier text sharing a prefix), both tokenizers; all
+    of a piece's sub-pieces make the piece, which the memo then holds whole."""
+    rnd = random.Random(seed)
+    for tok, ref, scale in ((HFTokenizer(FIXTURE), HFTokenizer(FIXTURE), 1), (SimpleTokenizer(), SimpleTokenizer(), 4)):
+        words = " ".join(rnd.choice(WORDS) for _ in range(scale * rnd.randint(800, 3000)))
+        whole = np.asarray(ref.encode_array(words, add_special_tokens=True))
+        cut = rnd.randint(0, len(words))
+        earlier = tok.plan(words[:cut] + " " + text(rnd, scale * 700), add_special_tokens=True)  # shares a prefix
+        if earlier is not None:
+            at = rnd.randrange(len(earlier))
+            earlier.ids_at(at, rnd.randint(0, earlier.splits(at)))
+        plan = tok.plan(words, add_special_tokens=True)
+        i = plan.lead if plan.lead < len(plan) else len(plan) - 1
+        subs = plan.splits(i)
+        assert subs > 1  # (pieces are cut finer)
+        for j in sorted(rnd.sample(range(1, subs + 1), min(3, subs))):
+            ids = plan.ids_at(i, j)
+            assert np.array_equal(ids, whole[: len(ids)]) and plan.chars_at(i, j) <= len(words)
+        assert np.array_equal(plan.ids_at(i, subs), whole[: len(plan.ids(i + 1))])
+        assert tok.plan(words, add_special_tokens=True).lead >= i + 1  # the piece held whole now
+        assert np.array_equal(plan.ids(len(plan)), whole)
+
+
+def test_a_first_sub_piece_with_special_tokens_is_kept_apart():
+    """The text's first sub-piece carries the BOS token when the special tokens are added: the same
+    text held without them must not be taken for it (nor the other way round)."""
+    words = " ".join(WORDS * 60)
+    for first, then in ((False, True), (True, False)):
+        tok = HFTokenizer(FIXTURE)
+        tok.plan(words, add_special_tokens=first).ids_at(0, 1)
+        ids = tok.plan(words, add_special_tokens=then).ids_at(0, 1)
+        whole = tok.encode(words, add_special_tokens=then)
+        assert ids.tolist() == whole[: len(ids)]
+
+
+def test_the_first_new_piece_is_encoded_only_where_its_text_is_new():
+    """A document held by an engine, then questions after it: the piece that holds the document's
+    end and a question's start is encoded sub-piece by sub-piece, so each new question costs the
+    encoder a sub-piece or two (not the whole 512-character piece), and the matches stay exact."""
+    rnd = random.Random(5)
+    tok = HFTokenizer(FIXTURE)
+    svc = service()
+    router_tok = svc.encoder.tokenizer_for("m", None)
+    encoded = []
+    inner = router_tok.pieces._encode_batch
+    router_tok.pieces._encode_batch = lambda texts, sp: (encoded.extend(texts), inner(texts, sp))[1]
+    doc = text(rnd, 6000)
+    hold(svc.index, "b", tok.encode(doc, add_special_tokens=True), len(tok.encode(doc)) // BS)
+    per_question = []
+    for i in range(8):
+        prompt = doc + "\n\nQuestion: " + text(rnd, 1200)
+        encoded.clear()
+        rreq, d = route(svc, prompt, i)
+        whole = np.array(tok.encode(prompt, add_special_tokens=True), dtype=np.uint32)
+        assert np.array_equal(np.asarray(rreq.token_ids), whole[: len(rreq.token_ids)])
+        lazy_m = svc.index.match_counts("m", block_key_array(rreq.token_ids, BS))[0]
+        assert lazy_m == svc.index.match_counts("m", block_key_array(whole, BS))[0]
+        assert d.target.pod == "b"
+        per_question.append(sum(map(len, encoded)))
+    # the first prompt is encoded as far as "b" holds it, piece by piece; the second encodes the
+    # sub-pieces of the piece where the questions start (held from then on); later ones only theirs
+    assert per_question[0] > 6000 and per_question[1] <= 600, per_question
+    assert max(per_question[2:]) < 300 and sum(per_question[2:]) / 6 < 220, per_question
+
+
 def test_text_routed_to_an_engine_that_reported_it_is_not_predicted_again():
     """A later prompt counts an earlier route's untokenized text as predicted on its engine only
     past what that engine's events say it holds (a block held and later evicted must not stay
