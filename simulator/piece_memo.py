@@ -20,6 +20,7 @@ which the tokenizer runs when it is loaded.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,8 +33,7 @@ import xxhash
 PIECE = 512  # characters per piece, at least (a piece ends at the first safe cut after that)
 SUB_PIECE = 128  # characters per sub-piece: the first piece not held is tokenized this finely (PiecePlan.ids_at)
 MEMO_CHARS = 8 << 20  # text held, in characters, at most (least recently used first out): <= 32 MB of ids
-_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
-_LETTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SAFE_CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")  # (the lookbehind sees before the search's start)
 _SAFE_NORMALIZERS = {None, "NFC", "NFKC"}  # per character; none reaches across an ASCII space
 
 
@@ -90,16 +90,12 @@ def cuts(text: str, size: int = PIECE) -> list[int]:
     from the previous one (a space after an ASCII letter or digit, before an ASCII letter)."""
     out = []
     n = len(text)
-    find = text.find
+    search = _SAFE_CUT.search
     s = size
-    while s < n - 1:
-        c = find(" ", s)
-        while c > 0 and c < n - 1 and not (text[c - 1] in _ALNUM and text[c + 1] in _LETTER):
-            c = find(" ", c + 1)
-        if c <= 0 or c >= n - 1:
-            break
-        out.append(c)
-        s = c + size
+    while s < n - 1 and (m := search(text, s)) is not None:
+        s = m.start()
+        out.append(s)
+        s += size
     return out
 
 

@@ -124,6 +124,20 @@ def test_cuts_fall_only_between_a_word_and_a_following_word():
     assert piece_memo.cuts("a, b, c, d, e, f", 1) == []
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="ab Z9 .,\né-", max_size=300), st.sampled_from([1, 2, 3, 7, 37, 128]))
+def test_each_cut_is_the_first_safe_space_at_least_size_after_the_last(text, size):
+    ascii_alnum = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+    safe = [c for c in range(1, len(text) - 1)
+            if text[c] == " " and text[c - 1] in ascii_alnum and text[c + 1] in ascii_alnum - set("0123456789")]
+    want, s = [], size
+    for c in safe:
+        if c >= s:
+            want.append(c)
+            s = c + size
+    assert piece_memo.cuts(text, size) == want
+
+
 def _config(**over):
     cfg = json.loads((FIXTURE / "tokenizer.json").read_text())
     cfg.update(over)
