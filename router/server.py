@@ -52,6 +52,9 @@ _RID = "rid"
 _JSON = "application/json"
 _BACKEND_HEADER = "X-InferNex-Backend"
 _UNSET: Any = object()  # (an argument not given)
+#: at most this many blocks a model's index tables are sized for ahead (~160 MB of tables with one
+#: tier); past it they grow as blocks arrive
+_RESERVE_MAX_BLOCKS = 1 << 21
 # sent as they are to a backend serving the body's model
 _PASSTHROUGH = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/tokenize": "tokenize",
                 "/detokenize": "detokenize"}
@@ -199,6 +202,7 @@ class RouterService:
         self._tok_pool: ThreadPoolExecutor | None = None
         # pieces of text routed untokenized (router.lazy_prompt), for as long as route predictions last
         self.piece_routes = lazy_prompt.PieceRoutes(cfg.route_prediction_ttl_s)
+        self._reserved: dict[str, int] = {}  # model -> blocks the index was sized for (_reserve_index)
         self._keys = [k.encode() for k in cfg.load_api_keys()]
         self._admin = cfg.admin_key.get_secret_value().encode() if cfg.admin_key else None
         self._engine_key, self._engine_keys = cfg.load_engine_keys()
@@ -296,6 +300,25 @@ class RouterService:
             self.state.refresh()
             self.admission.resync(self.state.snapshot())
             self._preload_tokenizers()
+            self._reserve_index()
+
+    def _reserve_index(self) -> None:
+        """Size the embedded index's tables for the KV capacity the engines report (the sum of
+        ``num_gpu_blocks`` per model), so they do not grow, stalling every request for a rehash of
+        the whole table, while the engines fill their caches (:meth:`KvIndex.reserve`)."""
+        reserve = getattr(self.index, "reserve", None)
+        if reserve is None:
+            return
+        total: dict[str, int] = {}
+        for b in self.state.snapshot():
+            if b.model and b.num_gpu_blocks:
+                total[b.model] = total.get(b.model, 0) + b.num_gpu_blocks
+        for model, blocks in total.items():
+            blocks = min(blocks, _RESERVE_MAX_BLOCKS)
+            if blocks > self._reserved.get(model, 0):
+                self._reserved[model] = blocks
+                if reserve(model, blocks):
+                    log.info("KV index for %s sized for %d blocks (the engines' reported capacity)", model, blocks)
 
     def _preload_tokenizers(self) -> None:
         """Start loading the tokenizer of each model the backends serve (on a thread, once per model:

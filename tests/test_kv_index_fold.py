@@ -781,3 +781,33 @@ def test_the_index_counts_the_events_and_the_unconfirmed_routes(steps):
             if p:
                 want_pred[pod] = p
     assert idx.match_counts("m", keys) == (want, want_pred)
+
+
+def test_reserved_tables_take_the_engines_blocks_without_growing():
+    """``reserve(model, blocks)`` sizes the key table and engine map ahead: storing that many blocks
+    (several pods, chained and duplicated prefixes) then grows neither (no rehash stall), and the
+    index answers as one that grew as it went."""
+    rnd = random.Random(3)
+    grown, reserved = KvIndex(ManualClock()), KvIndex(ManualClock())
+    n_blocks = 6000
+    assert reserved.reserve("m", n_blocks) and not reserved.reserve("m", n_blocks // 2)  # (only grows)
+    m = reserved._models["m"]
+    shapes = (m.kt.shape[0], m.em.shape[0])
+    assert min(shapes) * 0.6 >= n_blocks
+    feeds = [Feed(grown), Feed(reserved)]
+    docs = [[rnd.randrange(1, 10**6) for _ in range(400)] for _ in range(8)]
+    held = 0
+    for i in range(n_blocks // 100):
+        pod, doc = f"p{i % 6}", docs[rnd.randrange(8)]
+        start = rnd.randrange(0, 300)
+        blocks = doc[start:start + 100]
+        hashes = [hash((pod, i, j)) & (2**63 - 1) or 1 for j in range(len(blocks))]
+        for f in feeds:
+            f(pod, stored(hashes, blocks))
+        held += len(blocks)
+    assert held == n_blocks
+    assert (m.kt.shape[0], m.em.shape[0]) == shapes  # nothing grew
+    assert grown._models["m"].em.shape[0] > 4 * 1024  # (the other grew from its small start, several times)
+    for doc in docs:
+        for cut in (50, 200, 400):
+            assert matched(grown, doc[:cut]) == matched(reserved, doc[:cut])
