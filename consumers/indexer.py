@@ -170,7 +170,8 @@ class IndexerService:
         self.index = index if index is not None else KvIndex(
             self.clock, tier_weights=config.tier_weights or None, predicted_ttl_s=config.predicted_ttl_s,
             predict_on_route_ttl_s=config.predict_on_route_ttl_s, pod_timeout_s=config.pod_timeout_s,
-            default_block_size=config.default_block_size, reorder_window_s=config.reorder_window_s)
+            default_block_size=config.default_block_size, reorder_window_s=config.reorder_window_s,
+            reserve_blocks=config.reserve_blocks)
         self.registry = registry
         self.tokenizer = tokenizer
         prefix = nats_config.subject_prefix

@@ -462,7 +462,7 @@ class KvIndex:
                  predicted_ttl_s: float = 120.0, predict_on_route_ttl_s: float = 2.0,
                  pod_timeout_s: float | None = None, predicted_weight: float = 1.0,
                  default_block_size: int | None = None, reorder_window_s: float = 0.0,
-                 reorder_max: int = 4096):
+                 reorder_max: int = 4096, reserve_blocks: int = 0):
         if reorder_window_s < 0 or reorder_max < 1:
             raise ValueError("reorder_window_s must be >= 0 and reorder_max >= 1")
         self.reorder_window_s = reorder_window_s
@@ -485,6 +485,9 @@ class KvIndex:
             raise ValueError("default_block_size must be positive")
         # block size for models no engine has sent events for yet (approximate-only clusters)
         self.default_block_size = default_block_size
+        if reserve_blocks < 0:
+            raise ValueError("reserve_blocks must be >= 0")
+        self.reserve_blocks = reserve_blocks  # each model's tables sized for this many blocks when it appears
         self._models: dict[str, _Model] = {}
         self._pods: dict[str, _Pod] = {}
         self._by_slot: dict[int, _Pod] = {}
@@ -504,6 +507,8 @@ class KvIndex:
         m = self._models.get(name)
         if m is None:
             m = self._models[name] = _Model(name, max(1, (self._next_slot + 63) // 64))
+            if self.reserve_blocks:
+                self.reserve(name, self.reserve_blocks)
         return m
 
     def _pod(self, name: str) -> _Pod:

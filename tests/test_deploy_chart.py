@@ -475,3 +475,26 @@ def test_kv_bridges_send_digests_unless_told_to_send_token_ids():
         dep = one(render(None, sets=sets), "Deployment", "m")
         bridges = [c for c in pod_spec(dep)["containers"] if c["name"].startswith("kv-bridge")]
         assert len(bridges) == 2 and all(("--token-ids" in b["args"]) is want for b in bridges)
+
+
+def test_the_indexer_reserves_the_blocks_set_in_the_values():
+    """``cache-indexer.reserveBlocks`` reaches the indexer's settings (and, unset, is left out), and
+    the service's index then sizes a model's tables for it when the model first appears."""
+    from consumers.indexer_config import IndexerConfig
+    from streams.clock import SystemClock
+    from streams.kv_index import KvIndex
+
+    def indexer_settings(sets=()):
+        docs = render(None, sets=sets)
+        return yaml.safe_load(one(docs, "ConfigMap", "infernex-config")["data"]["config.yaml"])["indexer"]
+
+    assert "reserve_blocks" not in indexer_settings()
+    cfg = IndexerConfig(**indexer_settings(["cache-indexer.reserveBlocks=300000"]))
+    assert cfg.reserve_blocks == 300_000
+    from schemas.kv import BlockStored, KvEventBatch
+
+    index = KvIndex(SystemClock(), reserve_blocks=cfg.reserve_blocks)
+    index.apply(KvEventBatch(pod="e0", model="m", seq=0, ts=1.0, events=[  # the model's first event
+        BlockStored(block_hashes=[7], token_ids=list(range(16)), block_size=16)]))
+    m = index._models["m"]
+    assert m.kt.shape[0] * 0.6 >= 300_000 and m.em.shape[0] * 0.6 >= 300_000
