@@ -148,7 +148,8 @@ class PieceMemo:
         return cuts(piece, max(1, min(SUB_PIECE, self.piece // 4)))
 
     def put(self, key: int, ids: np.ndarray, chars: int) -> None:
-        """Keep ``ids`` (a piece of ``chars`` characters assembled from its sub-pieces) under ``key``."""
+        """Keep ``ids`` (of a piece of ``chars`` characters) under ``key``, the least recently used
+        pieces out past ``max_chars``."""
         held = self._held
         with self._lock:
             old = held.pop(key, None)
@@ -181,16 +182,8 @@ class PieceMemo:
         if rest:
             for i, ids in zip(rest, self._encode_batch([pieces[i] for i in rest], False)):
                 found[i] = np.asarray(ids, dtype=np.uint32)
-        held = self._held
-        with self._lock:
-            for i in missing:
-                old = held.pop(keys[i], None)
-                if old is not None:
-                    self._chars -= old[1]
-                held[keys[i]] = (found[i], len(pieces[i]))
-                self._chars += len(pieces[i])
-            while self._chars > self.max_chars and len(held) > 1:
-                self._chars -= held.popitem(last=False)[1][1]
+        for i in missing:
+            self.put(keys[i], found[i], len(pieces[i]))
 
 
 class PiecePlan:

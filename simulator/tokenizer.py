@@ -545,19 +545,12 @@ class _SimplePieces:
             cuts.append(n)
         out, marks = tok._kernel_marks(_ascii_kernel(), b, 0, cuts)
         edges = [0, *marks, len(out)]
-        memo = tok._pieces
         for j in range(i, len(pieces)):
-            ids = out[edges[j - i]:edges[j - i + 1]]
-            found[j] = ids
-            old = memo.pop(keys[j], None)
-            if old is not None:
-                tok._pieces_chars -= old[1]
-            memo[keys[j]] = (ids, len(pieces[j]))
-            tok._pieces_chars += len(pieces[j])
-        while tok._pieces_chars > tok._pieces_max and len(memo) > 1:  # the least recently used first
-            tok._pieces_chars -= memo.popitem(last=False)[1][1]
+            found[j] = out[edges[j - i]:edges[j - i + 1]]
+            self.put(keys[j], found[j], len(pieces[j]))
 
     def put(self, key: int, ids: np.ndarray, chars: int) -> None:
+        """Keep ``ids`` (of a piece of ``chars`` characters), the least recently used out past the limit."""
         tok = self.tok
         memo = tok._pieces
         old = memo.pop(key, None)
