@@ -113,6 +113,19 @@ def take(memo: OrderedDict, keys: Sequence[int]) -> list[np.ndarray | None]:
     return out
 
 
+def keep(memo: OrderedDict, key: int, ids: np.ndarray, chars: int, held: int, limit: int) -> int:
+    """Put a piece's ``ids`` (``chars`` characters) under ``key`` in an LRU piece memo holding
+    ``held`` characters, the least recently used out past ``limit``; the characters held after."""
+    old = memo.pop(key, None)
+    if old is not None:
+        held -= old[1]
+    memo[key] = (ids, chars)
+    held += chars
+    while held > limit and len(memo) > 1:
+        held -= memo.popitem(last=False)[1][1]
+    return held
+
+
 class PieceMemo:
     """Ids of long text from memoized pieces (kept as ``uint32`` arrays). ``encode_batch(texts,
     add_special_tokens)`` is the tokenizer's own batch encoder returning one id list per text.
@@ -150,15 +163,8 @@ class PieceMemo:
     def put(self, key: int, ids: np.ndarray, chars: int) -> None:
         """Keep ``ids`` (of a piece of ``chars`` characters) under ``key``, the least recently used
         pieces out past ``max_chars``."""
-        held = self._held
         with self._lock:
-            old = held.pop(key, None)
-            if old is not None:
-                self._chars -= old[1]
-            held[key] = (ids, chars)
-            self._chars += chars
-            while self._chars > self.max_chars and len(held) > 1:
-                self._chars -= held.popitem(last=False)[1][1]
+            self._chars = keep(self._held, key, ids, chars, self._chars, self.max_chars)
 
     def _take(self, keys: list[int]) -> list[np.ndarray | None]:
         """The memo's ids of each key (None where not held), marked recently used."""

@@ -455,14 +455,11 @@ class SimpleTokenizer:
         if i < len(keys):
             out, marks = self._kernel_marks(kernel, b, bounds[i], bounds[i + 1:-1])
             edges = [0, *marks, len(out)]
-            for j in range(i, len(keys)):
-                old = memo.pop(keys[j], None)  # (a piece repeated within the text)
-                if old is not None:
-                    self._pieces_chars -= old[1]
-                memo[keys[j]] = (out[edges[j - i]:edges[j - i + 1]], bounds[j + 1] - bounds[j])  # views of out
-                self._pieces_chars += bounds[j + 1] - bounds[j]
-            while self._pieces_chars > self._pieces_max and len(memo) > 1:  # the least recently used first
-                self._pieces_chars -= memo.popitem(last=False)[1][1]
+            from simulator.piece_memo import keep
+
+            for j in range(i, len(keys)):  # (views of out)
+                self._pieces_chars = keep(memo, keys[j], out[edges[j - i]:edges[j - i + 1]], bounds[j + 1] - bounds[j],
+                                          self._pieces_chars, self._pieces_max)
             parts.append(out)
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return out if dtype is np.uint32 else out.astype(dtype)
@@ -551,15 +548,10 @@ class _SimplePieces:
 
     def put(self, key: int, ids: np.ndarray, chars: int) -> None:
         """Keep ``ids`` (of a piece of ``chars`` characters), the least recently used out past the limit."""
+        from simulator.piece_memo import keep
+
         tok = self.tok
-        memo = tok._pieces
-        old = memo.pop(key, None)
-        if old is not None:
-            tok._pieces_chars -= old[1]
-        memo[key] = (ids, chars)
-        tok._pieces_chars += chars
-        while tok._pieces_chars > tok._pieces_max and len(memo) > 1:
-            tok._pieces_chars -= memo.popitem(last=False)[1][1]
+        tok._pieces_chars = keep(tok._pieces, key, ids, chars, tok._pieces_chars, tok._pieces_max)
 
 
 class HFTokenizer:
