@@ -307,7 +307,7 @@ class PiecePlan:
             self.memo._fill(texts[:j], keys[:j], part, k == 0 and self.specials)
             found[:j] = part
         if j >= len(texts) and self._ids[k] is None:
-            whole = found[0] if len(found) == 1 else np.concatenate(found)
+            whole = np.concatenate(found)
             self._ids[k] = whole
             self.memo.put(self.keys[k], whole, len(self.pieces[k]))
             self._ends = None

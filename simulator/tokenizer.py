@@ -432,13 +432,7 @@ class SimpleTokenizer:
         if n < 2 * _PIECE:
             return self._kernel_pass(kernel, text, dtype)
         b = text.encode("ascii")
-        find = b.find
-        bounds = [0]
-        s = 0
-        while (c := find(b" ", s + _PIECE)) >= 0:
-            bounds.append(c)
-            s = c
-        bounds.append(n)
+        bounds = [0, *_space_cuts(text, _PIECE), n]  # (ASCII: the same offsets in b)
         mv = memoryview(b)
         h = xxhash.xxh3_128_intdigest
         keys = [h(mv[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
@@ -471,13 +465,7 @@ class SimpleTokenizer:
             return None
         from simulator.piece_memo import PiecePlan
 
-        find = text.find
-        bounds = [0]
-        s = 0
-        while (c := find(" ", s + _PIECE)) >= 0:
-            bounds.append(c)
-            s = c
-        bounds.append(len(text))
+        bounds = [0, *_space_cuts(text, _PIECE), len(text)]
         return PiecePlan(_SimplePieces(self), text, bounds, False, _simple_sub_cuts)
 
     def _kernel_marks(self, kernel: Any, b: bytes, start: int, cuts: list[int]) -> tuple[np.ndarray, list[int]]:
@@ -507,14 +495,19 @@ class SimpleTokenizer:
 
 # ---------------------------------------------------------------- Hugging Face tokenizer.json
 
-def _simple_sub_cuts(piece: str) -> list[int]:
-    """Cuts inside one of :class:`SimpleTokenizer`'s pieces, as its own (before a space) every
-    quarter piece."""
+def _space_cuts(text: str, size: int) -> list[int]:
+    """Where :class:`SimpleTokenizer` cuts long text: before the first space at least ``size``
+    characters after the last cut (no token spans a space)."""
     out, s = [], 0
-    while 0 < (c := piece.find(" ", s + _PIECE // 4)) < len(piece):
+    while (c := text.find(" ", s + size)) >= 0:
         out.append(c)
         s = c
     return out
+
+
+def _simple_sub_cuts(piece: str) -> list[int]:
+    """Cuts inside one of its pieces, the same way, every quarter piece."""
+    return _space_cuts(piece, _PIECE // 4)
 
 
 class _SimplePieces:

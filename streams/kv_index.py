@@ -937,15 +937,13 @@ class KvIndex:
         """Size ``model``'s key table and engine map for ``blocks`` blocks held (all engines and
         tiers together) now, while they hold little. A table that fills up is doubled by rehashing
         every row, which stalls the caller for a time proportional to its size (0.1 s at 0.6M
-        keys, 0.4 s at 2.5M: bench/index_reserve.py); sized ahead, the engines can fill their
+        keys, 0.4 s at 2.5M: bench/RESULTS.md, session 17); sized ahead, the engines can fill their
         caches without one. Only grows; returns whether a table grew."""
         if blocks <= 0:
             return False
         self._flush()
         m = self._model(model)
-        cap = 1024
-        while blocks > core.LOAD * cap:
-            cap *= 2
+        cap = self._cap(512, blocks)  # (the growth policy's size for them: 1024 rows at least)
         grew = False
         if m.kt.shape[0] < cap:
             m.kt = core.grow_kt(m.kt, cap)
