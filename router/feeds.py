@@ -201,7 +201,7 @@ class BusFeeds:
                 return decode_event(model, data)
 
         async def cb(msg) -> None:
-            if model is KvEventBatch and self._fold_group(msg.data):
+            if model is KvEventBatch and self._fold_fast(msg.data):
                 return
             try:
                 parts = split(msg.data)
@@ -238,15 +238,21 @@ class BusFeeds:
 
         return kv_cb
 
-    def _fold_group(self, data: bytes) -> bool:
-        """A bridge's group of binary batches folded in one call as their checked wire structs (no
-        schema object per event); False when it is not one or a batch in it is bad (then the
-        batches go one by one, and only the bad one is dead-lettered)."""
-        from consumers.index_codec import fold_group
+    def _fold_fast(self, data: bytes) -> bool:
+        """A message folded the cheap way: a bridge's group of binary batches, or one binary batch,
+        as their checked wire structs in one :meth:`streams.kv_index.KvIndex.apply_many` call (no
+        schema object per event); a JSON batch decoded with msgspec. False when that cannot decide
+        (a bad batch, a group with one in it, a fold that refuses it): then the batches go one by
+        one through the careful decode, and only a bad one is dead-lettered with its reason."""
+        from consumers.index_codec import fold_batch, fold_group
+        from schemas.kv_binary import is_group
 
         whole = fold_group(data)
         if whole is None:
-            return False
+            one = None if is_group(data) else fold_batch(data)
+            if one is None:
+                return False
+            whole = [one]
         try:
             self.index.apply_many(whole)
         except (ValueError, KeyError):  # one by one instead: what was applied is stale on the way again

@@ -1,0 +1,132 @@
+"""The router's KV feed callback on each kind of message, without a bus: single binary batches, groups
+and JSON fold to the index the batches give when applied directly; a bad batch (alone, or inside a
+group) is dead-lettered with its reason and the good ones around it still apply."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from router.config import RouterConfig
+from router.feeds import BusFeeds
+from router.state import ClusterState
+from schemas import kv_binary
+from schemas.kv import BlockRemoved, BlockStored, KvEventBatch
+from streams.clock import ManualClock
+from streams.kv_index import KvIndex
+
+BS = 4
+MODEL = "m"
+
+
+class _NoBus:
+    def jetstream(self):
+        return None
+
+
+class _Letters:
+    def __init__(self):
+        self.sent: list[tuple[bytes, str]] = []
+
+    async def send(self, stream, subject, data, reason, **_kw):
+        self.sent.append((data, reason))
+
+
+class _Msg:
+    def __init__(self, data: bytes):
+        self.subject, self.data, self.headers, self.reply = f"kv.events.{MODEL}.p", data, None, ""
+
+
+def _batches(n: int) -> list[KvEventBatch]:
+    out, held = [], []
+    for seq in range(n):
+        if held and seq % 4 == 3:
+            ev = BlockRemoved(block_hashes=[held.pop(0)])
+        else:
+            hashes = [1000 + 2 * seq, 1001 + 2 * seq]
+            held.extend(hashes)
+            ev = BlockStored(block_hashes=hashes, token_ids=list(range(seq, seq + 2 * BS)), block_size=BS,
+                             parent_block_hash=held[-3] if len(held) > 2 else None)
+        out.append(KvEventBatch(pod="p", model=MODEL, seq=seq, ts=1.0, events=[ev]))
+    return out
+
+
+def _bad_binary(b: KvEventBatch) -> bytes:
+    """A binary batch whose stored event has one token fewer than its blocks need (decodes, fails the checks)."""
+    w = kv_binary.to_wire(b)
+    w.events[0].token_ids = bytes(w.events[0].token_ids)[:-4]
+    return kv_binary.encode_wire(w)
+
+
+def _feed():
+    index = KvIndex(ManualClock())  # (the feed gives it the router's reorder window)
+    registry = CollectorRegistry()
+    feeds = BusFeeds(_NoBus(), ClusterState(RouterConfig()), index=index, registry=registry)
+    feeds.dead = letters = _Letters()
+    return feeds, index, letters, feeds._callback("KV_EVENTS", KvEventBatch, feeds._apply_kv), registry
+
+
+def _past_the_gap(index: KvIndex) -> None:
+    """A dead-lettered batch leaves a gap in its pod's sequence: the index holds the later batches
+    back for the reorder window, then applies them."""
+    assert index.waiting_count > 0
+    index.clock.advance(index.reorder_window_s + 1)
+    index.release_expired()
+
+
+def _applied(registry) -> float:
+    return registry.get_sample_value("infernex_router_feed_messages_total", {"kind": "KvEventBatch"}) or 0.0
+
+
+def test_singles_groups_and_json_fold_to_the_batches_index():
+    batches = _batches(24)
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches)
+    feeds, index, letters, cb, registry = _feed()
+    msgs = []
+    i = 0
+    while i < len(batches):
+        if i % 3 == 0:  # a group of two binary batches
+            msgs.append(kv_binary.group([kv_binary.encode(b) for b in batches[i:i + 2]]))
+            i += 2
+        elif i % 3 == 1:
+            msgs.append(batches[i].to_json())
+            i += 1
+        else:
+            msgs.append(kv_binary.encode(batches[i]))
+            i += 1
+    for m in msgs:
+        asyncio.run(cb(_Msg(m)))
+    assert index == truth
+    assert _applied(registry) == len(batches) and not letters.sent
+
+
+def test_a_bad_single_binary_batch_is_dead_lettered_with_its_reason_and_the_rest_applies():
+    batches = _batches(6)
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches[:2] + batches[3:])  # the third is the bad one: never applied
+    feeds, index, letters, cb, registry = _feed()
+    for i, b in enumerate(batches):
+        data = _bad_binary(b) if i == 2 else kv_binary.encode(b)
+        asyncio.run(cb(_Msg(data)))
+    assert len(letters.sent) == 1
+    payload, reason = letters.sent[0]
+    assert payload == _bad_binary(batches[2]) and "token_ids" in reason
+    assert _applied(registry) == len(batches) - 1
+    _past_the_gap(index)
+    assert index == truth
+
+
+def test_a_bad_batch_inside_a_group_loses_only_itself():
+    batches = _batches(5)
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches[:1] + batches[2:])
+    feeds, index, letters, cb, registry = _feed()
+    group = kv_binary.group([kv_binary.encode(batches[0]), _bad_binary(batches[1]), kv_binary.encode(batches[2])])
+    asyncio.run(cb(_Msg(group)))
+    for b in batches[3:]:
+        asyncio.run(cb(_Msg(kv_binary.encode(b))))
+    assert len(letters.sent) == 1 and "batch 1 of a group of 3" in letters.sent[0][1]
+    _past_the_gap(index)
+    assert index == truth and _applied(registry) == len(batches) - 1
