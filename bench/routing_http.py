@@ -67,6 +67,13 @@ def _cpu_seconds(pid: int) -> float:
 _USED_PORTS: set[int] = set()
 
 
+def _engines_cpu(procs: list) -> float:
+    """CPU seconds the engine processes (``--engines-in-process``: none) have used so far: with every
+    process of the bench on the same cores, work a placement makes the engines do (a decode step
+    costs the simulator about as much for one request as for a batch) slows all of them."""
+    return sum(_cpu_seconds(e.proc.pid) for e in procs)
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -420,12 +427,14 @@ async def main_async(args) -> None:
                     idle = (sum(_cpu_seconds(pr.pid) for pr in procs) - c_idle) / (time.monotonic() - t_idle)
                     s0 = await engine_counters(ctl, engines)
                     cpu0 = sum(_cpu_seconds(pr.pid) for pr in procs)  # start-up (imports, JIT warm-up) left out
+                    ecpu0 = _engines_cpu(engine_procs)
                     t = time.monotonic()
                     res = await replay(rows, urls, model=MODEL, time_scale=1.0 / args.time_scale, prompt_mode="text",
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
                     s1 = await engine_counters(ctl, engines)
                     cpu = sum(_cpu_seconds(pr.pid) for pr in procs) - cpu0
+                    ecpu = _engines_cpu(engine_procs) - ecpu0
                 finally:
                     for pr in procs:
                         pr.send_signal(signal.SIGTERM)
@@ -444,6 +453,7 @@ async def main_async(args) -> None:
                 decode = [r.e2e_s - r.ttft_s for r in ok if r.e2e_s is not None and r.ttft_s is not None]
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
                        "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1), "idle_ms_per_s": 1000 * idle,
+                       "engine_cpu_ms_per_req": 1000 * ecpu / max(len(res.requests), 1),
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
@@ -461,7 +471,7 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
+                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
@@ -477,7 +487,8 @@ async def main_async(args) -> None:
 
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.3f}s (decode {med('decode50'):.3f}s)  "
-                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req, idle {med('idle_ms_per_s'):.0f} ms/s")
+                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req, idle {med('idle_ms_per_s'):.0f} ms/s, "
+                  f"engines' CPU {med('engine_cpu_ms_per_req'):.1f} ms/req")
     finally:
         try:
             for h in hogs:
