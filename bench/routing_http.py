@@ -97,7 +97,8 @@ def free_port(pair: bool = False) -> int:
 
 
 MAX_MODEL_LEN = 262144
-COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:num_preemptions_total")
 try:  # a child (engine, router, hog) gets SIGTERM when the bench dies without its finally (SIGKILL)
     import ctypes
 
@@ -197,7 +198,7 @@ async def _scrape(client, url: str):  # noqa: ANN001
 
 
 async def engine_counters(client, engines) -> dict[str, tuple[float, ...]]:  # noqa: ANN001
-    """Per engine (pod): requests finished, prefix-cache hit tokens, prefix-cache queried tokens."""
+    """Per engine (pod): requests finished, prefix-cache hit tokens, prefix-cache queried tokens, preemptions."""
     async def one(e):  # noqa: ANN001, ANN202
         samples = await _scrape(client, e.url)
         return e.engine_id, tuple(sum(s.value for s in samples if s.name == k) for k in COUNTERS)
@@ -446,6 +447,7 @@ async def main_async(args) -> None:
                 d = {p: tuple(b - a for a, b in zip(s0[p], s1[p])) for p in s1}
                 done = [v[0] for v in d.values()]
                 hits, queries = sum(v[1] for v in d.values()), sum(v[2] for v in d.values())
+                preempted = sum(v[3] for v in d.values())
                 ok = [r for r in res.requests if r.status == "ok"]
                 ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
                 e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
@@ -453,7 +455,7 @@ async def main_async(args) -> None:
                 decode = [r.e2e_s - r.ttft_s for r in ok if r.e2e_s is not None and r.ttft_s is not None]
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
                        "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1), "idle_ms_per_s": 1000 * idle,
-                       "engine_cpu_ms_per_req": 1000 * ecpu / max(len(res.requests), 1),
+                       "engine_cpu_ms_per_req": 1000 * ecpu / max(len(res.requests), 1), "preempted": preempted,
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
@@ -471,7 +473,7 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
+                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
