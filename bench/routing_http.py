@@ -280,6 +280,7 @@ async def main_async(args) -> None:
     from simulator.config import EngineConfig
     from simulator.workloads import load_trace
     from simulator.workloads.client import replay
+    from simulator.workloads.trace import trace_stats
     from streams.topology import build_topology, stream_for_subject
 
     loaded = load_trace(args.trace, limit=args.skip + args.requests)
@@ -309,9 +310,10 @@ async def main_async(args) -> None:
         else:
             print(f"sglang-router {peers.peer_version(sg_py, 'sglang-router')} ({sg_py})")
     layout = "in one process, the bench's" if args.engines_in_process else "one process each"
+    ideal = trace_stats(rows)["ideal_prefix_hit_rate"]  # (what one engine with an unbounded cache would hit)
     print(f"{args.trace.name} rows {args.skip}-{args.skip + len(rows)}, {args.engines} engines (engines: {layout}), "
-          f"time x{args.time_scale:g}, output <= {args.max_output_tokens} tokens; "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"time x{args.time_scale:g}, output <= {args.max_output_tokens} tokens, the slice's hit ceiling "
+          f"{ideal:.1%}; load average {os.getloadavg()[0]:.2f}")
     # SIGTERM: cancel this task, so the finally below stops every process this bench started
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     tmp = Path(tempfile.mkdtemp(prefix="routing-http-"))

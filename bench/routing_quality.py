@@ -73,8 +73,12 @@ def main() -> None:
     profiles = args.profile or ["round-robin", "least-load", "dynamo-cost", "kv-aware"]
     rows = load_trace(args.trace, limit=args.skip + args.limit)[args.skip:]
     fleet = Fleet(aggregated=args.engines, kv_model=args.kv_model, num_gpu_blocks=args.num_gpu_blocks)
+    from simulator.workloads.trace import trace_stats
+
+    ideal = trace_stats(rows)["ideal_prefix_hit_rate"]  # (what one engine with an unbounded cache would hit)
     print(f"trace {args.trace.name}: requests {args.skip}-{args.skip + len(rows)}, {args.engines} engines, "
-          f"time scale {args.time_scale}, {args.kv_model} KV model; load average {os.getloadavg()[0]:.2f}")
+          f"time scale {args.time_scale}, {args.kv_model} KV model, hit ceiling {ideal:.1%}; "
+          f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'strategy':<22} {'hit':>6} {'ovl':>6} {'spread':>6} {'busy':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
           f"{'E2E p50':>8} {'E2E p90':>8} {'err':>4}")
     for prof in profiles:
