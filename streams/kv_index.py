@@ -111,10 +111,11 @@ class BlockKeys(list):
 
 
 def prefix_keys(keys: Sequence[int], n: int) -> Sequence[int]:
-    """The first ``n`` of ``keys``, still carrying their array when :func:`block_keys` made them."""
+    """The first ``n`` of ``keys``, still carrying their array when :func:`block_keys` made them
+    (``keys`` itself when that is all of them)."""
+    if n >= len(keys):
+        return keys
     if type(keys) is BlockKeys:
-        if n >= len(keys):
-            return keys
         out = BlockKeys(keys[:n])
         out.array = keys.array[:n]
         return out
@@ -454,6 +455,8 @@ _STAT_FIELDS = ("blocks_stored", "blocks_removed", "unknown_parent", "unknown_pa
 
 # ------------------------------------------------------------------------------------ the fold
 
+REUSE_S = 0.05  # match_counts gives its last answer again for the same keys within this long, unchanged
+
 
 class KvIndex:
     """Which pod holds which KV blocks, per model and tier; see the module docstring."""
@@ -500,6 +503,9 @@ class KvIndex:
         self._st: ApplyStats | None = None  # the stats of the apply in progress (for flushes)
         self._allowed_cache: tuple[int, int, np.ndarray] | None = None
         self.totals = ApplyStats()
+        # match_counts' last answer, reused for the same keys while nothing changed (see there)
+        self._version = 0  # bumped by every change of what a query reads
+        self._counted: tuple | None = None
 
     # ------------------------------------------------------------------------- bookkeeping
 
@@ -602,6 +608,7 @@ class KvIndex:
         p = self._pods.get(pod)
         if p is None:
             return
+        self._version += 1
         self._clear_pod(p)
         self._waiting.pop(pod, None)
         del self._pods[pod]
@@ -620,6 +627,7 @@ class KvIndex:
         """
         st = ApplyStats()
         self._st = st
+        self._version += 1
         try:
             ap = self._apply
             if seen is None:
@@ -700,6 +708,7 @@ class KvIndex:
             return st
         now = self.clock.now()
         self._st = st
+        self._version += 1
         try:
             for name in list(self._waiting):
                 w = self._waiting.get(name)
@@ -909,6 +918,7 @@ class KvIndex:
         karr = _as_key_array(keys)  # (a zero key, the tables' empty mark, is skipped by the kernel)
         if not len(karr):
             return
+        self._version += 1
         now = self.clock.now()
         self._expire(now)
         p = self._pod(pod)
@@ -925,6 +935,8 @@ class KvIndex:
 
     def _expire(self, now: float) -> None:
         heap = self._pred_heap
+        if heap and heap[0][0] <= now:
+            self._version += 1
         while heap and heap[0][0] <= now:
             exp, _, podname, model, keys = heapq.heappop(heap)
             p = self._pods.get(podname)
@@ -1041,7 +1053,23 @@ class KvIndex:
     def match_counts(self, model: str, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         """:meth:`match_keys` reduced to what a routing decision reads, per pod holding at least
         the first block: ``(matched blocks, exact or predicted; of those, predicted only)``. No
-        tier detail, no :class:`PodMatch` per pod: the router asks this once per request."""
+        tier detail, no :class:`PodMatch` per pod: the router asks this once per request.
+
+        The router asks it twice for the same keys (its lazy tokenizing, then its decision): the
+        second time, when nothing that a query reads has changed since (no batch, route, expiry or
+        removed pod; :data:`REUSE_S` at most), the first answer is given again without a walk
+        (copies: each caller may change what it gets)."""
+        c = self._counted
+        if c is not None and c[0] is keys and c[1] == model and c[2] == self._version:
+            now = self.clock.now()
+            heap = self._pred_heap
+            if now - c[3] <= REUSE_S and not (heap and heap[0][0] <= now):
+                return dict(c[4]), dict(c[5])
+        out, pred = self._match_counts(model, keys)
+        self._counted = (keys, model, self._version, self.clock.now(), dict(out), dict(pred))
+        return out, pred
+
+    def _match_counts(self, model: str, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         w = self._walk(model, keys, None, by_tier=False)
         out: dict[str, int] = {}
         pred: dict[str, int] = {}

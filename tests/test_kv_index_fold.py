@@ -706,6 +706,82 @@ def test_match_counts_equal_match_keys(events, routes, removed, query):
     assert idx.match_counts("m", []) == ({}, {})
 
 
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.lists(st.integers(0, 3), min_size=1, max_size=5),
+       st.lists(st.sampled_from(["none", "batch", "route", "expire", "remove", "tiny-wait", "wait"]), min_size=1,
+                max_size=12))
+def test_match_counts_asked_again_answers_for_the_index_as_it_is_now(events, query, steps):
+    """The same keys asked again (the router's lazy tokenizing, then its decision) may get the
+    last answer back without a walk, but only while nothing a query reads has changed: after each
+    kind of change in between, the answer is a fresh walk's (match_keys)."""
+    clock = ManualClock()
+    idx = KvIndex(clock, predicted_ttl_s=120, predict_on_route_ttl_s=2)
+    todo = list(batches_one_by_one(events))
+    half = len(todo) // 2
+    for b in todo[:half]:
+        idx.apply(b)
+    later = iter(todo[half:])
+    keys = block_keys(toks(*query), BS)
+    arr = keys.array
+    for step in steps:
+        got = idx.match_counts("m", arr)
+        if step == "batch":
+            b = next(later, None)
+            if b is not None:
+                idx.apply(b)
+        elif step == "route":
+            idx.record_route("m", "p1", keys=arr, ttl_s=0.01)
+        elif step == "expire":
+            clock.advance(0.02)
+        elif step == "remove":
+            idx.remove_pod("p0")
+        elif step == "tiny-wait":
+            clock.advance(0.001)
+        elif step == "wait":
+            clock.advance(1.0)
+        full = idx.match_keys("m", keys)
+        want = ({p: m.matched_blocks for p, m in full.items() if m.matched_blocks},
+                {p: m.predicted_blocks for p, m in full.items() if m.predicted_blocks})
+        again = idx.match_counts("m", arr)
+        assert again == want, step
+        again[0]["somebody"] = 1  # a caller's change to an answer is not seen by the next caller
+        assert idx.match_counts("m", arr) == want
+        del got
+
+
+def test_match_counts_asked_again_sees_batches_the_reorder_window_let_through():
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=1.0)
+    stored = [BlockStored(block_hashes=[10 + i], token_ids=toks(i), block_size=BS,
+                          parent_block_hash=(9 + i) if i else None) for i in range(3)]
+    idx.apply(KvEventBatch(pod="p0", model="m", seq=0, ts=1.0, events=[stored[0]]))
+    idx.apply(KvEventBatch(pod="p0", model="m", seq=2, ts=1.0, events=[stored[2]]))  # held: seq 1 is missing
+    keys = block_keys(toks(0, 1, 2), BS).array
+    assert idx.match_counts("m", keys) == ({"p0": 1}, {})
+    clock.advance(0.01)
+    idx.apply(KvEventBatch(pod="p0", model="m", seq=1, ts=1.0, events=[stored[1]]))  # releases seq 2 too
+    assert idx.match_counts("m", keys) == ({"p0": 3}, {})
+    idx.apply(KvEventBatch(pod="p0", model="m", seq=4, ts=1.0, events=[BlockRemoved(block_hashes=[11])]))
+    assert idx.match_counts("m", keys) == ({"p0": 3}, {})  # held: seq 3 is missing
+    clock.advance(0.01)
+    assert idx.waiting_count == 1
+    clock.advance(2.0)  # past the window
+    assert idx.match_counts("m", keys) == ({"p0": 3}, {})  # (asked just before the release)
+    idx.release_expired()
+    assert idx.match_counts("m", keys) == ({"p0": 1}, {})
+
+
+def test_match_counts_asked_again_leaves_out_a_pod_that_timed_out_meanwhile():
+    clock = ManualClock()
+    idx = KvIndex(clock, pod_timeout_s=1.0)
+    idx.apply(KvEventBatch(pod="p0", model="m", seq=0, ts=1.0,
+                           events=[BlockStored(block_hashes=[10], token_ids=toks(0), block_size=BS)]))
+    keys = block_keys(toks(0), BS).array
+    assert idx.match_counts("m", keys) == ({"p0": 1}, {})
+    clock.advance(2.0)  # nothing applied since: only the time says the pod went quiet
+    assert idx.match_counts("m", keys) == ({}, {})
+
 def test_a_zero_key_is_never_predicted():
     """0 marks an empty row in the tables: a route's zero key is skipped, the others recorded."""
     idx = KvIndex(ManualClock())
