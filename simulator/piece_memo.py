@@ -312,8 +312,11 @@ class PiecePlan:
             self.memo.put(self.keys[k], whole, len(self.pieces[k]))
             self._ends = None
             return self.ids(k + 1)
-        parts = ([self.ids(k)] if k else []) + found[:j]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if not k:
+            return found[0] if j == 1 else np.concatenate(found[:j])
+        if any(f is None for f in self._ids[:k]):
+            self.ids(k)  # (encodes the pieces before it that the memo did not hold)
+        return np.concatenate(self._ids[:k] + found[:j])  # one copy: the pieces' ids, then the sub-pieces'
 
     def tokens_through(self, i: int) -> int:
         """How many ids the first ``i + 1`` pieces have (those pieces already encoded)."""
