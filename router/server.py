@@ -42,8 +42,22 @@ from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from schemas.records import RequestRecord
 from simulator.tokenizer import request_text
 from schemas.redact import redact_url
+from streams.kv_keys import request_salt
 
 log = logging.getLogger(__name__)
+
+_KV_INDEX = None
+
+
+def _kv_index():
+    """:mod:`streams.kv_index`, imported the first time a request needs it (with numba: only a
+    router with an index loads it), then kept: an import statement per request costs a lookup."""
+    global _KV_INDEX
+    if _KV_INDEX is None:
+        import streams.kv_index as mod
+
+        _KV_INDEX = mod
+    return _KV_INDEX
 
 _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
@@ -653,9 +667,7 @@ class RouterService:
             return None
         if plan is None:
             return None
-        from streams.kv_index import block_key_array  # (the index module: loaded with the index)
-        from streams.kv_keys import request_salt
-
+        block_key_array = _kv_index().block_key_array
         model = rreq.index_model or rreq.model
         bs = self.index.block_size(model)
         salt = request_salt(rreq.cache_salt)
@@ -1037,11 +1049,8 @@ class RouterService:
         if ids is None or not len(ids) or not block_size:
             return None
         if rreq.prompt_keys is None or rreq.prompt_keys[0] != block_size:
-            from streams.kv_index import block_key_array  # (the index module: loaded with the index)
-            from streams.kv_keys import request_salt
-
-            rreq.prompt_keys = (block_size, block_key_array(ids, block_size, lora=rreq.lora,
-                                                            salt=request_salt(rreq.cache_salt)))
+            rreq.prompt_keys = (block_size, _kv_index().block_key_array(ids, block_size, lora=rreq.lora,
+                                                                        salt=request_salt(rreq.cache_salt)))
         return rreq.prompt_keys[1]
 
     def _prompt_keys(self, flow: _Flow, block_size: int | None) -> Any:
