@@ -1053,12 +1053,13 @@ class KvIndex:
     def match_counts(self, model: str, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         """:meth:`match_keys` reduced to what a routing decision reads, per pod holding at least
         the first block: ``(matched blocks, exact or predicted; of those, predicted only)``. No
-        tier detail, no :class:`PodMatch` per pod: the router asks this once per request.
+        tier detail, no :class:`PodMatch` per pod: the router asks this for every request.
 
-        The router asks it twice for the same keys (its lazy tokenizing, then its decision): the
-        second time, when nothing that a query reads has changed since (no batch, route, expiry or
-        removed pod; :data:`REUSE_S` at most), the first answer is given again without a walk
-        (copies: each caller may change what it gets)."""
+        The router asks it twice with the same keys object (its lazy tokenizing, then its
+        decision; the keys are not changed in between): the second time, when nothing that a query
+        reads has changed since (no batch, route, expiry, release or removed pod; :data:`REUSE_S`
+        at most), the first answer is given again without a walk (copies: each caller may change
+        what it gets)."""
         c = self._counted
         if c is not None and c[0] is keys and c[1] == model and c[2] == self._version:
             now = self.clock.now()
