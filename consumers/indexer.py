@@ -8,7 +8,9 @@
   ``dlq.kv-events`` (a bounded letter, one per message whichever consumers reject it, see
   :class:`consumers.bus.DeadLetters`) and are skipped; a letter that cannot be published is
   counted and the message skipped all the same, so nothing loops. The fold holds a batch that
-  arrives ahead of its pod's predecessor for up to ``reorder_window_s``. A gap in the delivery
+  arrives ahead of its pod's predecessor for up to ``reorder_window_s``; for a predecessor that
+  was dead-lettered (its position read from the message's headers), only a short grace
+  (:meth:`streams.kv_index.KvIndex.lost`). A gap in the delivery
   sequence (a message the client dropped) or a handling error re-reads the stream from the
   last applied sequence.
 * Queries: HTTP ``POST /v1/index/query`` (plain ASGI, msgspec in and out), ``GET /v1/index/pods``,
@@ -75,6 +77,7 @@ from consumers.index_snapshots import (  # noqa: F401 - re-exported
     snapshot_bucket_name,
 )
 from schemas import KvEventBatch, ValidationFailure
+from schemas import kv_binary
 from schemas import subjects as S
 from schemas.config import NatsConfig
 from consumers.indexer_config import IndexerConfig  # noqa: F401 - settings import it without the service
@@ -530,6 +533,7 @@ class IndexerService:
             self._flush()
             await self._dlq.send(S.KV_EVENTS, msg.subject, msg.data, str(exc), headers=dict(msg.headers or {}),
                                  stream_seq=sseq)
+            self._lost(msg, None)
             self.applied_seq = sseq
             self._since_snapshot += 1
             return
@@ -542,6 +546,7 @@ class IndexerService:
                         reason = f"batch {i} of a group of {len(parts)}: {reason}"
                     await self._dlq.send(S.KV_EVENTS, msg.subject, part, reason,
                                          headers=dict(msg.headers or {}), stream_seq=sseq)
+                    self._lost(msg, i)
                 else:
                     await self._apply_one(batch, msg, sseq)
                 self.applied_seq = sseq
@@ -549,6 +554,17 @@ class IndexerService:
             else:
                 self._buf.append(batch)
                 self._buf_seqs.append(sseq)
+
+    def _lost(self, msg, part: int | None) -> None:  # noqa: ANN001 - a nats-py message
+        """A dead-lettered batch (``part`` of the message; None: all of it): from the message's
+        headers, when they name the pod and model its subject does, the fold is told which position
+        it leaves empty (:meth:`streams.kv_index.KvIndex.lost`), so the pod's later batches wait for
+        it a short grace, not the whole reorder window."""
+        names = self._names(msg.subject)
+        at = kv_binary.positions(dict(msg.headers) if msg.headers else None)
+        for pod, model, epoch, seq in (at if part is None else at[part:part + 1]):
+            if not isinstance(names, str) and names == (pod, model):
+                self.index.lost(pod, epoch, seq)
 
     def _decode(self, subject: str, data: bytes) -> tuple[KvEventBatch | None, bool, str | None]:
         """``(batch, careful, reason)``: ``careful`` when the fold may still reject it (slow path)."""

@@ -42,7 +42,8 @@ class IndexerConfig(BaseModel):
         "10 s while the engine is quiet) is left out of answers until it sends again; null = never"))
     reorder_window_s: float = Field(default=10.0, ge=0, description=(
         "a batch that skips its pod's sequence waits this long for the missing ones (a publisher's retry "
-        "after a broker restart can store them later), then the gap is accepted; 0 = apply at once"))
+        "after a broker restart can store them later), then the gap is accepted; 0 = apply at once. A missing "
+        "batch that was dead-lettered (its position in the message's headers) is waited for 1 s at most"))
     predicted_ttl_s: float = Field(default=120.0, gt=0)
     predict_on_route_ttl_s: float = Field(default=2.0, gt=0)
     tier_weights: dict[str, float] = Field(default_factory=dict)

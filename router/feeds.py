@@ -207,6 +207,7 @@ class BusFeeds:
                 parts = split(msg.data)
             except ValidationFailure as exc:
                 await self._dead(stream, msg, str(exc))
+                self._lost(model, msg, None)
                 return
             for i, part in enumerate(parts):  # each batch of a group on its own: a bad one loses nothing else
                 where = f"batch {i} of a group of {len(parts)}: " if len(parts) > 1 else ""
@@ -214,11 +215,13 @@ class BusFeeds:
                     event = decode(part)
                 except ValidationFailure as exc:
                     await self._dead(stream, msg, f"{where}{exc}", part)
+                    self._lost(model, msg, i)
                     continue
                 try:
                     fold(event)
                 except (ValueError, KeyError) as exc:  # a fold refusing an event is bad input too
                     await self._dead(stream, msg, f"{where}{kind} rejected: {exc}", part)
+                    self._lost(model, msg, i)
                     continue
                 self.applied.labels(kind).inc()
 
@@ -259,6 +262,19 @@ class BusFeeds:
             return False
         self.applied.labels("KvEventBatch").inc(len(whole))
         return True
+
+    def _lost(self, model, msg, part: int | None) -> None:
+        """A dead-lettered KV batch (``part`` of the message; None: all of it): from the message's
+        headers, the index is told which position it leaves empty (:meth:`streams.kv_index.KvIndex.lost`),
+        so the pod's later batches wait for it a short grace, not the whole reorder window."""
+        lost = getattr(self.index, "lost", None)
+        if model is not KvEventBatch or lost is None:
+            return
+        from schemas.kv_binary import positions
+
+        at = positions(dict(msg.headers) if msg.headers else None)
+        for pod, _model, epoch, seq in (at if part is None else at[part:part + 1]):
+            lost(pod, epoch, seq)
 
     async def _dead(self, stream: str, msg, reason: str, data: bytes | None = None) -> None:
         subj = msg.subject[len(self.prefix) + 1:] if self.prefix else msg.subject

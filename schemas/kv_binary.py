@@ -322,6 +322,22 @@ def group_headers(pod: str, model: str, epoch: int, first_seq: int, seq: int, n:
     return h
 
 
+
+def positions(headers: dict[str, str] | None) -> list[tuple[str, str, int, int]]:
+    """``(pod, model, epoch, seq)`` of each batch a ``kv.events`` message holds, in order, from its
+    headers alone (a group's batches are consecutive from :data:`HDR_FIRST_SEQ`); empty when the
+    headers do not say (a message published without them, or headers that do not add up). What a
+    consumer that refused a message needs to know which positions it leaves empty."""
+    h = headers or {}
+    try:
+        pod, model, epoch, seq = h[HDR_POD], h[HDR_MODEL], int(h[HDR_EPOCH]), int(h[HDR_SEQ])
+        first, n = int(h.get(HDR_FIRST_SEQ, seq)), int(h.get(HDR_BATCHES, 1))
+    except (KeyError, ValueError):
+        return []
+    if not (pod and model and 0 <= epoch <= MAX_EPOCH and 0 <= first <= seq <= MAX_SEQ and seq - first + 1 == n):
+        return []
+    return [(pod, model, epoch, s) for s in range(first, seq + 1)]
+
 # --- the contract as JSON Schema (for the AsyncAPI document) -------------------------------------
 
 def _bin(what: str) -> dict[str, Any]:

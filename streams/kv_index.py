@@ -456,6 +456,7 @@ _STAT_FIELDS = ("blocks_stored", "blocks_removed", "unknown_parent", "unknown_pa
 # ------------------------------------------------------------------------------------ the fold
 
 REUSE_S = 0.05  # match_counts gives its last answer again for the same keys within this long, unchanged
+LOST_GRACE_S = 1.0  # a pod's batches behind one its consumer refused wait this long for it, not the window
 
 
 class KvIndex:
@@ -506,6 +507,7 @@ class KvIndex:
         # match_counts' last answer, reused for the same keys while nothing changed (see there)
         self._version = 0  # bumped by every change of what a query reads
         self._counted: tuple | None = None
+        self._lost: dict[str, dict[tuple[int, int], float]] = {}  # pod -> refused (epoch, seq) -> wait until (lost())
 
     # ------------------------------------------------------------------------- bookkeeping
 
@@ -611,6 +613,7 @@ class KvIndex:
         self._version += 1
         self._clear_pod(p)
         self._waiting.pop(pod, None)
+        self._lost.pop(pod, None)
         del self._pods[pod]
         self._clear_predictions(p)
         del self._by_slot[p.slot]
@@ -676,12 +679,16 @@ class KvIndex:
                     return
                 w[(epoch, seq)] = (batch, now + self.reorder_window_s)
                 st.held += 1
+                if self._lost and name in self._lost:
+                    self._shorten(name)
                 if len(w) > self.reorder_max:
                     self._release(name, st, now, force=True)
                 return
         self._apply_now(batch, st, now)
         if self._waiting and name in self._waiting:
             self._release(name, st, now)
+        if self._lost and name in self._lost:
+            self._shorten(name)
 
     def _release(self, name: str, st: ApplyStats, now: float, force: bool = False) -> None:
         """Apply the pod's waiting batches that are next in order (or have waited long enough,
@@ -699,6 +706,57 @@ class KvIndex:
             self._apply_now(batch, st, now)
         if not w:
             self._waiting.pop(name, None)
+
+    def lost(self, pod: str, epoch: int, seq: int, grace_s: float = LOST_GRACE_S) -> None:
+        """Batch ``(epoch, seq)`` of ``pod`` was refused by the consumer folding it (dead-lettered):
+        once it is the pod's next batch, the batches right behind it wait for it ``grace_s`` at most
+        instead of the reorder window (:meth:`release_expired` then applies them, the gap
+        accepted); a later gap of batches merely late keeps its whole window. A good copy arriving
+        within the grace is applied as any batch; one arriving later is dropped as stale, as after
+        the window. Changes nothing without a reorder window, or for a pod or position this index
+        does not wait on."""
+        p = self._pods.get(pod)
+        if not self.reorder_window_s or p is None or p.epoch is None or (epoch, seq) <= (p.epoch, p.seq):
+            return
+        self._lost.setdefault(pod, {})[(epoch, seq)] = self.clock.now() + grace_s
+        self._shorten(pod)
+
+    def _shorten(self, name: str) -> None:
+        """The grace of :meth:`lost` for the pod's waiting batches in the run that starts at its
+        next position, when that one was refused (refused positions in the run extend it);
+        refused positions the pod has passed are forgotten."""
+        lost = self._lost[name]
+        p = self._pods.get(name)
+        if p is None or p.epoch is None:
+            del self._lost[name]
+            return
+        here = (p.epoch, p.seq)
+        for k in [k for k in lost if k <= here]:
+            del lost[k]
+        if not lost:
+            del self._lost[name]
+            return
+        w = self._waiting.get(name)
+        if not w:
+            return
+        nxt = (p.epoch, p.seq + 1)
+        if nxt not in lost:  # or a new epoch's first batch, refused
+            nxt = min((k for k in lost if k[0] > p.epoch and k[1] == 0), default=None)
+            if nxt is None:
+                return  # an earlier batch is missing, not refused: it gets the whole window
+        until = lost[nxt]
+        e, s = nxt
+        while True:
+            s += 1
+            k = (e, s)
+            if k in lost:
+                until = max(until, lost[k])
+            elif k in w:
+                b, d = w[k]
+                if d > until:
+                    w[k] = (b, until)
+            else:
+                break
 
     def release_expired(self) -> ApplyStats:
         """Apply the batches that have waited ``reorder_window_s`` for an earlier one (the gap

@@ -295,6 +295,40 @@ async def test_indexer_reads_a_mixed_stream_and_dead_letters_bad_binary(nats_con
             pass
 
 
+
+async def test_indexer_waits_for_a_dead_lettered_batch_only_the_grace(nats_config, topology, nc, prefix):
+    """A batch replaced by a corrupt message with the bridge's headers: the indexer dead-letters it,
+    and the pod's later batches are folded after the short grace, well within the reorder window
+    (ground truth: the batches less the lost one)."""
+    from consumers.indexer import IndexerConfig, IndexerService
+    from streams.kv_index import LOST_GRACE_S
+
+    js = nc.jetstream()
+    batches = [b for b in _workload(40, seed=21) if b.pod == "p0"]
+    lost = 3
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches[:lost] + batches[lost + 1:])
+    cfg = IndexerConfig(http_port=None, nats_query=False, durable="ix-lost", snapshot_every_events=10_000)
+    assert cfg.reorder_window_s >= 4 * LOST_GRACE_S
+    svc = IndexerService(cfg, nats_config, registry=CollectorRegistry())
+    await svc.start()
+    try:
+        for i, b in enumerate(batches):
+            subject = S.with_prefix(prefix, S.kv_events(b.model, b.pod))
+            hdrs = kv_binary.headers(b.pod, b.model, b.epoch, b.seq)
+            data = b"\x99\xa3kv1\x01\xa2p0" + b"\xff" * 300 if i == lost else kv_binary.encode(b)
+            await js.publish(subject, data, headers=hdrs)
+        t0 = time.monotonic()
+        await _wait(lambda: svc.index == truth, timeout=cfg.reorder_window_s / 2, what="the batches after the lost one")
+        assert time.monotonic() - t0 < cfg.reorder_window_s / 2
+        assert svc._dlq.count == 1
+    finally:
+        await svc.stop()
+        try:
+            await js.delete_object_store(svc.bucket)
+        except Exception:  # noqa: BLE001
+            pass
+
 async def test_router_feed_and_replay_read_both_encodings(nc, prefix, topology):
     from consumers.replay import read_window
     from infernex.incident import ReplayState

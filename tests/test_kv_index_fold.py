@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from schemas.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
 from streams.clock import ManualClock
-from streams.kv_index import KvIndex, block_keys
+from streams.kv_index import LOST_GRACE_S, KvIndex, block_keys
 
 BS = 4
 
@@ -781,6 +781,110 @@ def test_match_counts_asked_again_leaves_out_a_pod_that_timed_out_meanwhile():
     assert idx.match_counts("m", keys) == ({"p0": 1}, {})
     clock.advance(2.0)  # nothing applied since: only the time says the pod went quiet
     assert idx.match_counts("m", keys) == ({}, {})
+
+
+def _seq_batches(n: int, pod: str = "p0") -> list[KvEventBatch]:
+    """One stored block per batch, each chained to the one before."""
+    return [KvEventBatch(pod=pod, model="m", seq=i, ts=1.0, events=[BlockStored(
+        block_hashes=[100 + i], token_ids=toks(i % 4), block_size=BS, parent_block_hash=(99 + i) if i else None)])
+        for i in range(n)]
+
+
+def _truth(batches: list[KvEventBatch]) -> KvIndex:
+    t = KvIndex(ManualClock())
+    t.apply_many(batches)
+    return t
+
+
+def test_batches_behind_a_refused_one_wait_the_grace_not_the_window():
+    """Ground truth: the engine's batches less the refused one, once the grace is over."""
+    b = _seq_batches(4)
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=10.0)
+    idx.apply(b[0])
+    idx.lost("p0", 0, 1)  # batch 1 was dead-lettered
+    idx.apply(b[2])
+    idx.apply(b[3])
+    assert idx.waiting_count == 2
+    clock.advance(LOST_GRACE_S / 2)
+    idx.release_expired()
+    assert idx.waiting_count == 2  # a good copy could still come
+    clock.advance(LOST_GRACE_S)
+    idx.release_expired()
+    assert idx.waiting_count == 0 and idx == _truth([b[0], b[2], b[3]])
+
+
+def test_without_the_refusal_they_wait_the_whole_window():
+    b = _seq_batches(3)
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=10.0)
+    idx.apply(b[0])
+    idx.apply(b[2])
+    clock.advance(LOST_GRACE_S * 2)
+    idx.release_expired()
+    assert idx.waiting_count == 1
+
+
+def test_a_good_copy_within_the_grace_is_applied_as_any_batch():
+    b = _seq_batches(3)
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=10.0)
+    idx.apply(b[0])
+    idx.lost("p0", 0, 1)  # a corrupt copy of batch 1 came first
+    idx.apply(b[2])
+    clock.advance(LOST_GRACE_S / 2)
+    idx.apply(b[1])  # then the good one
+    assert idx.waiting_count == 0 and idx == _truth(b)
+
+
+def test_a_refused_batch_behind_a_missing_one_leaves_that_one_the_whole_window():
+    b = _seq_batches(5)
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=10.0)
+    idx.apply(b[0])
+    idx.lost("p0", 0, 3)  # refused; batch 1 is merely late
+    idx.apply(b[2])
+    idx.apply(b[4])
+    clock.advance(LOST_GRACE_S * 2)
+    idx.release_expired()
+    assert idx.waiting_count == 2  # waiting for batch 1: no grace for it
+    idx.apply(b[1])  # batch 2 follows it; 3 is the refused one, so 4 waits no longer than its grace
+    assert idx.waiting_count == 1
+    idx.release_expired()
+    assert idx.waiting_count == 0 and idx == _truth([b[0], b[1], b[2], b[4]])
+
+
+
+def test_the_grace_ends_at_the_next_gap_of_batches_merely_late():
+    b = _seq_batches(6)
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=10.0)
+    idx.apply(b[0])
+    idx.lost("p0", 0, 1)
+    idx.lost("p0", 0, 2)  # two refused in a row
+    for i in (3, 5):  # batch 4 is late, not refused
+        idx.apply(b[i])
+    clock.advance(LOST_GRACE_S * 2)
+    idx.release_expired()
+    assert idx.waiting_count == 1  # 3 went after the grace; 5 waits for 4 its whole window
+    idx.apply(b[4])
+    assert idx.waiting_count == 0 and idx == _truth([b[0], b[3], b[4], b[5]])
+
+def test_a_refusal_the_index_does_not_wait_on_changes_nothing():
+    b = _seq_batches(3)
+    clock = ManualClock()
+    idx = KvIndex(clock, reorder_window_s=10.0)
+    idx.lost("nobody", 0, 1)
+    idx.apply(b[0])
+    idx.apply(b[1])
+    idx.lost("p0", 0, 1)  # a position already passed
+    idx.apply(b[2])
+    assert idx.waiting_count == 0 and idx == _truth(b)
+    plain = KvIndex(clock)  # no reorder window: gaps are accepted at once anyway
+    plain.apply(b[0])
+    plain.lost("p0", 0, 1)
+    plain.apply(b[2])
+    assert plain.waiting_count == 0
 
 def test_a_zero_key_is_never_predicted():
     """0 marks an empty row in the tables: a route's zero key is skipped, the others recorded."""

@@ -130,3 +130,38 @@ def test_a_bad_batch_inside_a_group_loses_only_itself():
     assert len(letters.sent) == 1 and "batch 1 of a group of 3" in letters.sent[0][1]
     _past_the_gap(index)
     assert index == truth and _applied(registry) == len(batches) - 1
+
+
+def test_batches_behind_a_dead_lettered_one_wait_only_the_grace():
+    """The refused message's headers name its position: the pod's later batches are folded once
+    the grace is over, not after the whole reorder window (ground truth: the batches less the bad one)."""
+    from streams.kv_index import LOST_GRACE_S
+
+    batches = _batches(6)
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches[:2] + batches[3:])
+    feeds, index, letters, cb, registry = _feed()
+    assert index.reorder_window_s > 2 * LOST_GRACE_S
+    for i, b in enumerate(batches):
+        m = _Msg(_bad_binary(b) if i == 2 else kv_binary.encode(b))
+        m.headers = kv_binary.headers(b.pod, b.model, b.epoch, b.seq)
+        asyncio.run(cb(m))
+    assert len(letters.sent) == 1 and index.waiting_count == 3
+    index.clock.advance(LOST_GRACE_S + 0.1)
+    index.release_expired()
+    assert index.waiting_count == 0 and index == truth
+
+
+def test_headers_that_do_not_add_up_leave_the_whole_window():
+    from streams.kv_index import LOST_GRACE_S
+
+    batches = _batches(5)
+    feeds, index, letters, cb, registry = _feed()
+    for i, b in enumerate(batches):
+        m = _Msg(_bad_binary(b) if i == 2 else kv_binary.encode(b))
+        if i == 2:  # a group's headers on a single message: three positions claimed for one batch
+            m.headers = kv_binary.group_headers(b.pod, b.model, b.epoch, 2, 4, 1)
+        asyncio.run(cb(m))
+    index.clock.advance(LOST_GRACE_S + 0.1)
+    index.release_expired()
+    assert index.waiting_count == 2
