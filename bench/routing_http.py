@@ -477,6 +477,12 @@ async def main_async(args) -> None:
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
                       f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
+        if args.keep_decisions is not None:  # our routers' decision records (each with what it read)
+            from bench.router_feed import dump_stream
+
+            dec_stream = stream_for_subject(topo, S.router_decisions("default")).name
+            n = await dump_stream(js, dec_stream, args.keep_decisions)
+            print(f"{n} decision records written to {args.keep_decisions}")
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
 
@@ -539,6 +545,9 @@ def main() -> None:
                          "KV bridges and collector) instead of one process per engine: the older layout")
     ap.add_argument("--keep-kv", type=Path, default=None,
                     help="at the end, write every message of the KV stream (the last run's) to this file (bench/router_feed.py)")
+    ap.add_argument("--keep-decisions", type=Path, default=None,
+                    help="at the end, write our routers' decision records (router.decisions: candidates, scores, "
+                         "the overlap and load each decision read) of every run to this file (msgpack, as --keep-kv)")
     ap.add_argument("--out", type=Path, default=None,
                     help="append every request's result (router, round, TTFT, E2E, backend...) to this JSONL file")
     ap.add_argument("-r", "--router", action="append", default=None,
