@@ -29,9 +29,12 @@ from router.state import ClusterState
 from schemas import EngineAnnouncement, EngineMetrics, KvEventBatch, ValidationFailure, decode_event
 from schemas import DeviceTelemetry, Diagnosis
 from schemas import subjects as S
+from schemas.kv_binary import is_group
 from streams.topology import build_topology, stream_for_subject
 
 log = logging.getLogger(__name__)
+
+_FOLDS = None  # (fold_group, fold_batch) of consumers.index_codec, bound at the first KV message
 
 
 class BusFeeds:
@@ -247,9 +250,12 @@ class BusFeeds:
         schema object per event); a JSON batch decoded with msgspec. False when that cannot decide
         (a bad batch, a group with one in it, a fold that refuses it): then the batches go one by
         one through the careful decode, and only a bad one is dead-lettered with its reason."""
-        from consumers.index_codec import fold_batch, fold_group
-        from schemas.kv_binary import is_group
+        global _FOLDS
+        if _FOLDS is None:  # (imported once: the codec loads numba, which only a KV feed needs)
+            from consumers.index_codec import fold_batch, fold_group
 
+            _FOLDS = (fold_group, fold_batch)
+        fold_group, fold_batch = _FOLDS
         whole = fold_group(data)
         if whole is None:
             one = None if is_group(data) else fold_batch(data)
