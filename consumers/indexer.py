@@ -212,7 +212,7 @@ class IndexerService:
         self._acked_at = 0.0
         self._halted = False  # set while re-pointing the consumer or stopping
         self._resync_task: asyncio.Task | None = None
-        self._subjects: dict[str, tuple[str | None, str | None] | str] = {}
+        self._names = S.KvSubjectNames(prefix)
         self._chunk = max(1, min(config.fetch_batch, config.max_ack_pending // 4))
         self._ack_every = max(1, config.max_ack_pending // 2)
         self._psub = None
@@ -560,10 +560,9 @@ class IndexerService:
         headers, when they name the pod and model its subject does, the fold is told which position
         it leaves empty (:meth:`streams.kv_index.KvIndex.lost`), so the pod's later batches wait for
         it a short grace, not the whole reorder window."""
-        names = self._names(msg.subject)
         at = kv_binary.positions(dict(msg.headers) if msg.headers else None)
         for pod, model, epoch, seq in (at if part is None else at[part:part + 1]):
-            if not isinstance(names, str) and names == (pod, model):
+            if self._names.match(msg.subject, pod, model):
                 self.index.lost(pod, epoch, seq)
 
     def _decode(self, subject: str, data: bytes) -> tuple[KvEventBatch | None, bool, str | None]:
@@ -576,35 +575,11 @@ class IndexerService:
                 batch = decode_slow(data)  # pydantic for JSON; a binary message here is invalid
             except ValidationFailure as exc:
                 return None, True, str(exc)
-        names = self._names(subject)
-        if isinstance(names, str):
-            return None, True, names
-        if names[0] != batch.pod or names[1] != batch.model:
-            return None, True, (f"subject {subject} names pod {names[0]!r} model {names[1]!r} but the "
-                                f"batch is for pod {batch.pod!r} model {batch.model!r}")
-        return batch, careful, None
-
-    def _names(self, subject: str) -> tuple[str | None, str | None] | str:
-        """(pod, model) the subject names, or why it names none (remembered per subject)."""
-        names = self._subjects.get(subject)
-        if names is None:
-            names = self._subject_names(subject)
-            if len(self._subjects) >= 100_000:
-                self._subjects.clear()
-            self._subjects[subject] = names
-        return names
+        reason = self._names.refusal(subject, batch.pod, batch.model)
+        return (None, True, reason) if reason is not None else (batch, careful, None)
 
     def _names_match(self, subject: str, batch) -> bool:  # noqa: ANN001 - a batch or its wire struct
-        names = self._names(subject)
-        return not isinstance(names, str) and names[0] == batch.pod and names[1] == batch.model
-
-    def _subject_names(self, subject: str) -> tuple[str | None, str | None] | str:
-        rest = subject[len(self.prefix) + 1:] if self.prefix else subject
-        try:
-            parts = S.parse(rest)
-        except ValueError as exc:
-            return str(exc)
-        return parts.get("pod"), parts.get("model")
+        return self._names.match(subject, batch.pod, batch.model)
 
     def _timed_flush(self) -> None:
         self._flush_handle = None

@@ -48,6 +48,7 @@ class BusFeeds:
         self.index = index
         self.prefix = prefix
         self.topology = build_topology(prefix=prefix)
+        self._kv_names = S.KvSubjectNames(prefix)  # a KV batch folds only on its own pod's subject
         self.dead = DeadLetters(self.js, consumer=consumer_name, registry=registry, prefix=prefix)
         self.applied = Counter("infernex_router_feed_messages_total", "Bus messages folded into router state",
                                ["kind"], registry=registry)
@@ -204,7 +205,7 @@ class BusFeeds:
                 return decode_event(model, data)
 
         async def cb(msg) -> None:
-            if model is KvEventBatch and self._fold_fast(msg.data):
+            if model is KvEventBatch and self._fold_fast(msg):
                 return
             try:
                 parts = split(msg.data)
@@ -218,6 +219,11 @@ class BusFeeds:
                     event = decode(part)
                 except ValidationFailure as exc:
                     await self._dead(stream, msg, f"{where}{exc}", part)
+                    self._lost(model, msg, i)
+                    continue
+                refused = self._kv_names.refusal(msg.subject, event.pod, event.model) if model is KvEventBatch else None
+                if refused is not None:  # (as the indexer refuses it: every view of the pod stays alike)
+                    await self._dead(stream, msg, f"{where}{refused}", part)
                     self._lost(model, msg, i)
                     continue
                 try:
@@ -244,24 +250,30 @@ class BusFeeds:
 
         return kv_cb
 
-    def _fold_fast(self, data: bytes) -> bool:
+    def _fold_fast(self, msg) -> bool:  # noqa: ANN001 - a nats-py message
         """A message folded the cheap way: a bridge's group of binary batches, or one binary batch,
         as their checked wire structs in one :meth:`streams.kv_index.KvIndex.apply_many` call (no
         schema object per event); a JSON batch decoded with msgspec. False when that cannot decide
-        (a bad batch, a group with one in it, a fold that refuses it): then the batches go one by
-        one through the careful decode, and only a bad one is dead-lettered with its reason."""
+        (a bad batch, a group with one in it, a batch for another pod than its subject's, a fold
+        that refuses it): then the batches go one by one through the careful decode, and only a bad
+        one is dead-lettered with its reason."""
         global _FOLDS
         if _FOLDS is None:  # (imported once: the codec loads numba, which only a KV feed needs)
             from consumers.index_codec import fold_batch, fold_group
 
             _FOLDS = (fold_group, fold_batch)
         fold_group, fold_batch = _FOLDS
+        data = msg.data
         whole = fold_group(data)
         if whole is None:
             one = None if is_group(data) else fold_batch(data)
             if one is None:
                 return False
             whole = [one]
+        match, subject = self._kv_names.match, msg.subject
+        for w in whole:
+            if not match(subject, w.pod, w.model):
+                return False
         try:
             self.index.apply_many(whole)
         except (ValueError, KeyError):  # one by one instead: what was applied is stale on the way again
@@ -271,16 +283,18 @@ class BusFeeds:
 
     def _lost(self, model, msg, part: int | None) -> None:
         """A dead-lettered KV batch (``part`` of the message; None: all of it): from the message's
-        headers, the index is told which position it leaves empty (:meth:`streams.kv_index.KvIndex.lost`),
-        so the pod's later batches wait for it a short grace, not the whole reorder window."""
+        headers, when they name the pod and model its subject does, the index is told which position
+        it leaves empty (:meth:`streams.kv_index.KvIndex.lost`), so the pod's later batches wait for
+        it a short grace, not the whole reorder window."""
         lost = getattr(self.index, "lost", None)
         if model is not KvEventBatch or lost is None:
             return
         from schemas.kv_binary import positions
 
         at = positions(dict(msg.headers) if msg.headers else None)
-        for pod, _model, epoch, seq in (at if part is None else at[part:part + 1]):
-            lost(pod, epoch, seq)
+        for pod, model_name, epoch, seq in (at if part is None else at[part:part + 1]):
+            if self._kv_names.match(msg.subject, pod, model_name):
+                lost(pod, epoch, seq)
 
     async def _dead(self, stream: str, msg, reason: str, data: bytes | None = None) -> None:
         subj = msg.subject[len(self.prefix) + 1:] if self.prefix else msg.subject

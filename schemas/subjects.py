@@ -152,3 +152,42 @@ def parse(subject: str) -> dict[str, str]:
     except ValueError as exc:
         raise ValueError(f"subject {subject!r}: {exc}") from None
     raise ValueError(f"subject {subject!r} is not an InferNex subject")
+
+
+class KvSubjectNames:
+    """The (pod, model) each KV events subject names, remembered per subject; a subject that names
+    none gives the reason instead. A batch is taken as its subject's only when both agree: a pod
+    publishing on another pod's subject (or a message copied onto the wrong one) is bad input,
+    and its headers' positions must not shorten that pod's wait for a gap."""
+
+    def __init__(self, prefix: str | None = None, limit: int = 100_000):
+        self._cut = len(prefix) + 1 if prefix else 0
+        self._limit = limit
+        self._seen: dict[str, tuple[str | None, str | None] | str] = {}
+
+    def __call__(self, subject: str) -> tuple[str | None, str | None] | str:
+        names = self._seen.get(subject)
+        if names is None:
+            try:
+                parts = parse(subject[self._cut:])
+                names = parts.get("pod"), parts.get("model")
+            except ValueError as exc:
+                names = str(exc)
+            if len(self._seen) >= self._limit:
+                self._seen.clear()
+            self._seen[subject] = names
+        return names
+
+    def match(self, subject: str, pod: str, model: str) -> bool:
+        names = self(subject)
+        return not isinstance(names, str) and names[0] == pod and names[1] == model
+
+    def refusal(self, subject: str, pod: str, model: str) -> str | None:
+        """None when the subject names this pod and model, else why the batch is refused."""
+        names = self(subject)
+        if isinstance(names, str):
+            return names
+        if names[0] != pod or names[1] != model:
+            return (f"subject {subject} names pod {names[0]!r} model {names[1]!r} but the "
+                    f"batch is for pod {pod!r} model {model!r}")
+        return None

@@ -165,3 +165,62 @@ def test_headers_that_do_not_add_up_leave_the_whole_window():
     index.clock.advance(LOST_GRACE_S + 0.1)
     index.release_expired()
     assert index.waiting_count == 2
+
+
+def _on(subject_pod: str, data: bytes) -> _Msg:
+    m = _Msg(data)
+    m.subject = f"kv.events.{MODEL}.{subject_pod}"
+    return m
+
+
+def _for_pod(b: KvEventBatch, pod: str) -> KvEventBatch:
+    return b.model_copy(update={"pod": pod})
+
+
+def test_a_batch_on_another_pods_subject_is_dead_lettered_as_the_indexer_does():
+    """Pod p's batches, one of them published (binary, in a group, or as JSON) on pod q's subject:
+    each such batch is refused with the subject's reason, the rest folds, and the index ends as the
+    well-placed batches give it (and as consumers.indexer folds the same messages)."""
+    batches = _batches(9)
+    truth = KvIndex(ManualClock())
+    truth.apply_many([b for i, b in enumerate(batches) if i not in (2, 4, 7)])
+    feeds, index, letters, cb, registry = _feed()
+    for i, b in enumerate(batches):
+        if i == 2:
+            m = _on("q", kv_binary.encode(b))
+        elif i == 4:
+            m = _on("q", b.to_json())
+        elif i == 6:  # a group: the second batch misplaced (for pod q, sent on p's subject)
+            m = _on("p", kv_binary.group([kv_binary.encode(b), kv_binary.encode(_for_pod(batches[7], "q"))]))
+        elif i == 7:
+            continue
+        else:
+            m = _on("p", kv_binary.encode(b))
+        asyncio.run(cb(m))
+    reasons = [r for _, r in letters.sent]
+    assert len(reasons) == 3 and all("names pod" in r for r in reasons), reasons
+    assert "batch 1 of a group of 2" in reasons[2]
+    assert _applied(registry) == len(batches) - 3
+    _past_the_gap(index)
+    assert index == truth and "q" not in index.pods()
+
+
+def test_a_refused_batchs_headers_for_another_pod_than_its_subjects_keep_the_whole_window():
+    """A bad batch on pod q's subject whose headers claim pod p's next position: p's gap is not
+    taken as lost (the message is not p's to speak for), so p's later batches wait the reorder
+    window, not the grace."""
+    from streams.kv_index import LOST_GRACE_S
+
+    batches = _batches(5)
+    feeds, index, letters, cb, registry = _feed()
+    for i, b in enumerate(batches):
+        if i == 2:
+            m = _on("q", _bad_binary(b))
+        else:
+            m = _on("p", kv_binary.encode(b))
+        m.headers = kv_binary.headers(b.pod, b.model, b.epoch, b.seq)
+        asyncio.run(cb(m))
+    assert len(letters.sent) == 1
+    index.clock.advance(LOST_GRACE_S + 0.1)
+    index.release_expired()
+    assert index.waiting_count == 2
