@@ -98,7 +98,11 @@ def free_port(pair: bool = False) -> int:
 
 MAX_MODEL_LEN = 262144
 COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-            "vllm:num_preemptions_total")
+            "vllm:num_preemptions_total",
+            # the simulator's own: modelled step time, model time lost between steps, outputs' lateness
+            "infernex_sim_step_seconds_total", "infernex_sim_lost_seconds_total", "infernex_sim_late_seconds_sum",
+            "infernex_sim_late_seconds_count")
+LATE_WARN = 0.10  # the engines' outputs late by this share of TTFT p50 on average: not a valid comparison
 try:  # a child (engine, router, hog) gets SIGTERM when the bench dies without its finally (SIGKILL)
     import ctypes
 
@@ -198,7 +202,8 @@ async def _scrape(client, url: str):  # noqa: ANN001
 
 
 async def engine_counters(client, engines) -> dict[str, tuple[float, ...]]:  # noqa: ANN001
-    """Per engine (pod): requests finished, prefix-cache hit tokens, prefix-cache queried tokens, preemptions."""
+    """Per engine (pod): requests finished, prefix-cache hit tokens, prefix-cache queried tokens, preemptions,
+    then the simulator's modelled and lost seconds and its steps' lateness (:data:`COUNTERS`)."""
     async def one(e):  # noqa: ANN001, ANN202
         samples = await _scrape(client, e.url)
         return e.engine_id, tuple(sum(s.value for s in samples if s.name == k) for k in COUNTERS)
@@ -450,6 +455,10 @@ async def main_async(args) -> None:
                 done = [v[0] for v in d.values()]
                 hits, queries = sum(v[1] for v in d.values()), sum(v[2] for v in d.values())
                 preempted = sum(v[3] for v in d.values())
+                modelled = sum(v[4] for v in d.values())  # how closely the engines kept to their model
+                lost = sum(v[5] for v in d.values()) / modelled if modelled else 0.0
+                steps = sum(v[7] for v in d.values())  # a step's outputs' mean lateness, in real seconds
+                late = sum(v[6] for v in d.values()) / steps / args.time_scale if steps else 0.0
                 ok = [r for r in res.requests if r.status == "ok"]
                 ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
                 e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
@@ -458,6 +467,7 @@ async def main_async(args) -> None:
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
                        "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1), "idle_ms_per_s": 1000 * idle,
                        "engine_cpu_ms_per_req": 1000 * ecpu / max(len(res.requests), 1), "preempted": preempted,
+                       "late": late, "lost": lost,
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
@@ -475,8 +485,12 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
+                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted, engines' outputs {late * 1e3:.2f} ms late, {lost:.1%} of model time lost ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
+                if late > LATE_WARN * row["ttft50"]:
+                    print(f"    not valid as a routing comparison: the simulated engines sent their outputs {late * 1e3:.1f} ms "
+                          f"after their model on average, {late / row['ttft50']:.0%} of TTFT p50 (this machine's CPU set "
+                          f"those latencies, not the model)")
         if args.keep_decisions is not None:  # our routers' decision records (each with what it read)
             from bench.router_feed import dump_stream
 
@@ -498,7 +512,7 @@ async def main_async(args) -> None:
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.3f}s (decode {med('decode50'):.3f}s)  "
                   f"router CPU {med('cpu_ms_per_req'):.2f} ms/req, idle {med('idle_ms_per_s'):.0f} ms/s, "
-                  f"engines' CPU {med('engine_cpu_ms_per_req'):.1f} ms/req")
+                  f"engines' CPU {med('engine_cpu_ms_per_req'):.1f} ms/req, engines' outputs {med('late') * 1e3:.2f} ms late")
     finally:
         try:
             for h in hogs:

@@ -10,6 +10,18 @@ Time: virtual seconds = real seconds x ``time_scale``. Each scheduler step sleep
 duration (scaled), then delivers its tokens, publishes its KV events (one ZMQ batch per step
 that changed the cache) and updates the metrics. Latency metrics are in virtual seconds.
 
+A busy engine's next step starts where its last one ended in virtual time, not when this
+process got round to it: a GPU does not stand idle while its host is descheduled, and at a
+time scale of 8 one millisecond of this process's lateness would be eight of the model's (on a
+machine running eight engines, a router and a client on two cores, that lateness was about as
+long as a modelled decode step, so it made up half of every decode phase and grew with how many
+engines were busy at once). An engine behind its model skips its sleeps until it has caught up.
+A request that arrived meanwhile moves the start no earlier than its arrival. The simulator's
+own metrics say how far it kept to the model: ``infernex_sim_step_seconds_total`` (modelled
+step time), ``infernex_sim_lost_seconds_total`` (model time lost between steps: only to such
+arrivals) and the histogram ``infernex_sim_late_seconds`` (how long after its modelled end
+each step's tokens went out).
+
 The server runs inside an existing asyncio loop (``await engine.start()``); several engines can
 share one loop (see :mod:`simulator.cluster`). Peers of the same process find each other through
 the ``peers`` mapping they were given; others through ``/internal/kv/pull``.
@@ -63,6 +75,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+LATE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # (simulator only)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -106,6 +119,14 @@ class EngineMetrics:
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                labels + ["finished_reason"], registry=r)
         self._lv = lv
+        # the simulator's own (not vLLM's): how closely this process kept to its model's timeline
+        self.step_seconds = c("infernex_sim_step_seconds", "Modelled duration of the scheduler steps run, "
+                              "in virtual seconds (simulator only).")
+        self.lost_seconds = c("infernex_sim_lost_seconds", "Virtual seconds between a busy step's modelled "
+                              "end and the next step's start (simulator only): the model's time lost to the host.")
+        self.late_seconds = h("infernex_sim_late_seconds", "How long after its modelled end each busy step's "
+                              "outputs went out, in virtual seconds (simulator only): the engine running behind "
+                              "its model.", LATE_BUCKETS)
         self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                       TTFT_BUCKETS)
         self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
@@ -195,6 +216,8 @@ class SimEngine:
         self._client: aiohttp.ClientSession | None = None
         self._stopping = False
         self._drop_batches = 0
+        self._vend: float | None = None  # virtual end of the last busy step (None: idle since)
+        self._varrived = 0.0  # virtual arrival of the latest request
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ lifecycle
@@ -339,20 +362,28 @@ class SimEngine:
                 self._streams.clear()
                 self.core = self._new_core()
                 self.core.slow_factor = self.faults.slow_factor
+                self._vend = None
 
     async def _drive_once(self) -> None:
         """One scheduler step in scaled real time (or a wait when there is nothing to do)."""
         scale = self.time_scale
         core = self.core
         if not core.has_work:
+            self._vend = None
             self._flush_events(core.take_pending_events())
             self.metrics.update(core, None)
             self._wake.clear()
             await self._wake.wait()
             return
-        vnow = self.vnow()
-        res = core.step(vnow)
+        vnow = start = self.vnow()
+        vend = self._vend
+        if vend is not None and vend < vnow:  # late: go on from the last step's end (module docstring)
+            start = vend if self._varrived <= vend else min(vnow, self._varrived)
+            if start > vend:
+                self.metrics.lost_seconds.inc(start - vend)
+        res = core.step(start)
         if res.idle:
+            self._vend = None
             self._flush_events(res.events)
             self.metrics.update(core, res)
             self._wake.clear()
@@ -362,8 +393,12 @@ class SimEngine:
             except asyncio.TimeoutError:
                 pass
             return
+        self._vend = res.end
+        self.metrics.step_seconds.inc(res.duration)
         delay = self._t0 + res.end / scale - time.monotonic()
         await asyncio.sleep(delay if delay > 0 else 0)
+        late = self.vnow() - res.end
+        self.metrics.late_seconds.observe(late if late > 0 else 0.0)
         if core is not self.core:
             return  # restarted while this step was "running"
         self._flush_events(res.events)
@@ -388,7 +423,8 @@ class SimEngine:
                 do_remote_decode: bool, remote: RemotePrefill | None, transfer_id: str | None = None) -> asyncio.Queue:
         q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
         try:
-            self.core.add_request(rid, prompt_ids, max_tokens, self.vnow(), cache_salt=cache_salt,
+            self._varrived = arrived = self.vnow()
+            self.core.add_request(rid, prompt_ids, max_tokens, arrived, cache_salt=cache_salt,
                                   do_remote_decode=do_remote_decode, remote_prefill=remote, transfer_id=transfer_id)
         except TransferError as exc:
             raise ApiError(400, str(exc)) from None
