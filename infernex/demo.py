@@ -77,6 +77,7 @@ class DemoConfig:
 MAX_START_LAG_S = 0.5  # the replay client may fall this far behind the trace's schedule
 MAX_STEAL = 0.05  # share of CPU time the hypervisor took from this machine
 MAX_RECORD_LOSS = 0.02  # request records missing (router -> NATS -> the demo), as a share of requests
+MAX_ENGINE_LATE = 0.10  # the simulated engines' outputs late on average, as a share of the run's TTFT p50
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -101,6 +102,8 @@ class RunConditions:
     cores: int
     records_unique: int
     records_duplicate: int
+    engine_late_s: float | None = None  # how late (wall s) the engines sent a step's outputs, on average
+    ttft_p50_s: float | None = None
 
     def problems(self) -> list[str]:
         """Why this run's figures cannot be trusted, each with by how much; empty if valid."""
@@ -111,6 +114,11 @@ class RunConditions:
                        f"{lag / MAX_START_LAG_S:.1f}x over): the machine was too busy to send on time")
         if self.steal is not None and self.steal > MAX_STEAL:
             out.append(f"the hypervisor stole {self.steal:.0%} of CPU time (limit {MAX_STEAL:.0%})")
+        late, ttft = self.engine_late_s, self.ttft_p50_s
+        if late is not None and ttft and late > MAX_ENGINE_LATE * ttft:
+            out.append(f"the simulated engines sent their outputs {late * 1e3:.1f} ms after their model on average, "
+                       f"{late / ttft:.0%} of TTFT p50 (limit {MAX_ENGINE_LATE:.0%}): the machine, not the model, set "
+                       f"the latencies")
         missing = self.requests - self.records_unique
         if self.requests and missing / self.requests > MAX_RECORD_LOSS:
             out.append(f"{missing} of {self.requests} request records missing ({missing / self.requests:.0%}, "
@@ -407,9 +415,10 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                 h.call(lambda e: (e.core.reset_prefix_cache(), e._flush_events(e.core.take_pending_events())))
             await _wait(lambda: sum(sum(i.blocks.values()) for i in indexer.index.pods().values()) == 0, 30,
                         "the index to see the cleared caches")
-            def engine_stats():
+            def engine_stats():  # (busy time, prefix hits, prefix queries, late virtual s, busy steps)
                 return {h.engine_id: h.call(lambda e: (e.core.stats.busy_time, e.core.stats.prefix_cache_hits,
-                                                       e.core.stats.prefix_cache_queries)) for h in cluster.engines}
+                                                       e.core.stats.prefix_cache_queries, e.timeline[2],
+                                                       e.timeline[3])) for h in cluster.engines}
 
             stats0 = engine_stats()
             rcfg = RouterConfig(pool=POOL, strategy=strategy, port=0, backends=backends, seed=0,
@@ -447,9 +456,13 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
             results.append(StrategyResult(strategy, summary, chosen / best if best else None, spread,
                                           {"wall_s": time.monotonic() - t, "records": unique, "arrival_stretch": stretch},
                                           engine_hit_rate=hits / queries if queries else None))
+            late_steps = sum(d[4] for d in delta.values())
             conditions[strategy] = RunConditions(
                 requests=len(rows), max_start_lag_s=summary.max_start_lag_s, steal=steal, load=os.getloadavg()[0],
-                cores=os.cpu_count() or 1, records_unique=unique, records_duplicate=len(mine) - unique)
+                cores=os.cpu_count() or 1, records_unique=unique, records_duplicate=len(mine) - unique,
+                engine_late_s=(sum(d[3] for d in delta.values()) / late_steps / cfg.time_scale
+                               if late_steps else None),
+                ttft_p50_s=summary.ttft_p50_s)
             res.write(cfg.out / f"replay-{strategy}.json")
             timelines[strategy] = res.requests
             windows[strategy] = (t_wall, time.time())

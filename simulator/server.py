@@ -218,6 +218,7 @@ class SimEngine:
         self._drop_batches = 0
         self._vend: float | None = None  # virtual end of the last busy step (None: idle since)
         self._varrived = 0.0  # virtual arrival of the latest request
+        self.timeline = [0.0, 0.0, 0.0, 0]  # virtual seconds modelled, lost, late (summed over steps); busy steps
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ lifecycle
@@ -381,6 +382,7 @@ class SimEngine:
             start = vend if self._varrived <= vend else min(vnow, self._varrived)
             if start > vend:
                 self.metrics.lost_seconds.inc(start - vend)
+                self.timeline[1] += start - vend
         res = core.step(start)
         if res.idle:
             self._vend = None
@@ -395,10 +397,14 @@ class SimEngine:
             return
         self._vend = res.end
         self.metrics.step_seconds.inc(res.duration)
+        self.timeline[0] += res.duration
         delay = self._t0 + res.end / scale - time.monotonic()
         await asyncio.sleep(delay if delay > 0 else 0)
         late = self.vnow() - res.end
-        self.metrics.late_seconds.observe(late if late > 0 else 0.0)
+        late = late if late > 0 else 0.0
+        self.metrics.late_seconds.observe(late)
+        self.timeline[2] += late
+        self.timeline[3] += 1
         if core is not self.core:
             return  # restarted while this step was "running"
         self._flush_events(res.events)

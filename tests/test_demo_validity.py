@@ -30,6 +30,15 @@ def test_a_late_client_makes_the_run_invalid_and_says_by_how_much():
     assert not bad and text.startswith("Live run valid")
 
 
+def test_engines_behind_their_model_make_the_run_invalid():
+    """The simulated engines' own account of how late they sent their outputs (SimEngine.timeline):
+    a few per cent of TTFT p50 is scheduling noise; more means the machine set the latencies."""
+    assert _ok(engine_late_s=0.001, ttft_p50_s=0.07).problems() == []
+    late = _ok(engine_late_s=0.012, ttft_p50_s=0.07).problems()
+    assert len(late) == 1 and "12.0 ms after their model" in late[0] and "17% of TTFT p50" in late[0]
+    assert _ok(engine_late_s=0.012, ttft_p50_s=None).problems() == []  # (no TTFT measured: nothing to weigh)
+
+
 def test_warnings_are_counted_not_streamed(tmp_path, capsys):
     log = logging.getLogger("consumers.bus")
     handler = logging.StreamHandler()
