@@ -417,8 +417,8 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                         "the index to see the cleared caches")
             def engine_stats():  # (busy time, prefix hits, prefix queries, late virtual s, busy steps)
                 return {h.engine_id: h.call(lambda e: (e.core.stats.busy_time, e.core.stats.prefix_cache_hits,
-                                                       e.core.stats.prefix_cache_queries, e.timeline[2],
-                                                       e.timeline[3])) for h in cluster.engines}
+                                                       e.core.stats.prefix_cache_queries, e.timeline.late_s,
+                                                       e.timeline.steps)) for h in cluster.engines}
 
             stats0 = engine_stats()
             rcfg = RouterConfig(pool=POOL, strategy=strategy, port=0, backends=backends, seed=0,

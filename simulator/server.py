@@ -36,6 +36,7 @@ import random
 import time
 import uuid
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -88,6 +89,16 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
         return web.json_response(body, status=self.status)
+
+
+@dataclass
+class Timeline:
+    """How closely a live engine kept to its model, in virtual seconds (module docstring)."""
+
+    modelled_s: float = 0.0  # the busy steps' modelled durations
+    lost_s: float = 0.0  # between a busy step's end and the next step's start
+    late_s: float = 0.0  # summed over the busy steps: how long after its modelled end each one's outputs went out
+    steps: int = 0  # busy steps
 
 
 class EngineMetrics:
@@ -218,7 +229,7 @@ class SimEngine:
         self._drop_batches = 0
         self._vend: float | None = None  # virtual end of the last busy step (None: idle since)
         self._varrived = 0.0  # virtual arrival of the latest request
-        self.timeline = [0.0, 0.0, 0.0, 0]  # virtual seconds modelled, lost, late (summed over steps); busy steps
+        self.timeline = Timeline()
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ lifecycle
@@ -382,7 +393,7 @@ class SimEngine:
             start = vend if self._varrived <= vend else min(vnow, self._varrived)
             if start > vend:
                 self.metrics.lost_seconds.inc(start - vend)
-                self.timeline[1] += start - vend
+                self.timeline.lost_s += start - vend
         res = core.step(start)
         if res.idle:
             self._vend = None
@@ -397,14 +408,14 @@ class SimEngine:
             return
         self._vend = res.end
         self.metrics.step_seconds.inc(res.duration)
-        self.timeline[0] += res.duration
+        self.timeline.modelled_s += res.duration
         delay = self._t0 + res.end / scale - time.monotonic()
         await asyncio.sleep(delay if delay > 0 else 0)
         late = self.vnow() - res.end
         late = late if late > 0 else 0.0
         self.metrics.late_seconds.observe(late)
-        self.timeline[2] += late
-        self.timeline[3] += 1
+        self.timeline.late_s += late
+        self.timeline.steps += 1
         if core is not self.core:
             return  # restarted while this step was "running"
         self._flush_events(res.events)

@@ -85,7 +85,7 @@ def test_stalls_of_the_engines_process_do_not_lengthen_the_modelled_request(engi
     assert wall * SCALE < modelled + 0.5 * stalls, (wall * SCALE, modelled)
     late = _sample(eng, "infernex_sim_late_seconds_sum")
     assert late > 0  # (it did run behind, and said so: in /metrics and in the demo's account)
-    assert eng.timeline[2] == pytest.approx(late) and eng.timeline[0] == pytest.approx(modelled)
+    assert eng.timeline.late_s == pytest.approx(late) and eng.timeline.modelled_s == pytest.approx(modelled)
 
 
 def test_a_request_arriving_while_the_engine_is_behind_starts_no_earlier_than_it_arrived(engine):
