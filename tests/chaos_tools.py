@@ -125,7 +125,9 @@ class Rig:
                           stream=stream_for_subject(topology, subject).name)
             self.bridges.append(br)
             self._tasks.append(asyncio.create_task(br.run(self._stop), name=f"bridge-{pod}"))
-            await asyncio.wait_for(br.ready.wait(), 10)
+            # (a bound, not a speed claim: the first bridge of a fresh install compiles its numba
+            # kernels before it is ready, which took over 10 s in one CI run on a busy 2-core machine)
+            await asyncio.wait_for(br.ready.wait(), 60)
         # PUB/SUB joins asynchronously: serve until every bridge has seen a frame
         deadline = time.monotonic() + 20
         while any(b.stats.frames == 0 for b in self.bridges):
