@@ -216,6 +216,7 @@ class BridgeConfig:
     replay_timeout_s: float = 2.0
     ack_timeout_s: float = 5.0
     recover: bool = True  # continue from the last batch stored for this pod
+    recover_wait_s: float = 60.0  # keep asking for it this long while JetStream does not answer
     backfill: bool = True  # on a fresh start, replay what the engine still buffers
     gap_policy: str = "keep"  # frames lost for good: "keep" the pod's blocks, or "reset" them
     heartbeat_s: float = 10.0  # while the engine is quiet, re-state the last position this often (0 = never)
@@ -280,12 +281,32 @@ def encode_batch(batch: OutBatch, *, binary: bool = True, digests: bool = True) 
                                                       kv_binary.JSON_CONTENT_TYPE)
 
 
-async def last_stored_position(js: JetStreamContext, stream: str, subject: str) -> tuple[int, int] | None:
-    """``(epoch, seq)`` of the last batch stored on ``subject``, or None."""
-    try:
-        msg = await js.get_last_msg(stream, subject)
-    except nats.js.errors.NotFoundError:
-        return None
+_UNANSWERED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+               nats.js.errors.ServiceUnavailableError)  # no stream leader yet, or the server busy
+
+
+async def last_stored_position(js: JetStreamContext, stream: str, subject: str, *,
+                               wait_s: float = 0.0) -> tuple[int, int] | None:
+    """``(epoch, seq)`` of the last batch stored on ``subject``, or None. While JetStream does not
+    answer (a replicated stream electing its leader, a server restarting) it is asked again for up
+    to ``wait_s`` seconds: a bridge must not start numbering batches afresh because the stream was
+    briefly unavailable, nor give up on it."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.2
+    while True:
+        try:
+            msg = await js.get_last_msg(stream, subject)
+            break
+        except nats.js.errors.NotFoundError:
+            return None
+        except _UNANSWERED as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            log.warning("kv-bridge: stream %s did not answer for the last stored batch (%s); asking again",
+                        stream, type(exc).__name__)
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 2.0)
     try:
         if kv_binary.is_binary(msg.data):
             parts = kv_binary.split(msg.data)  # a group: its last batch
@@ -597,7 +618,7 @@ class KvBridge:
     async def recover(self) -> None:
         if not self.cfg.recover or self.stream is None:
             return
-        pos = await last_stored_position(self.js, self.stream, self.subject)
+        pos = await last_stored_position(self.js, self.stream, self.subject, wait_s=self.cfg.recover_wait_s)
         if pos is not None and not (0 <= pos[0] <= MAX_EPOCH and 0 <= pos[1] <= MAX_SEQ):
             log.warning("kv-bridge %s: the last stored batch has epoch %d seq %d, out of bounds; starting fresh",
                         self._pod, *pos)

@@ -86,6 +86,13 @@ def index_blocks(index: KvIndex) -> dict[str, set[int]]:
     return out
 
 
+def _warm_bridge_kernels() -> None:
+    from consumers import kv_transcode, kv_wire_compiled
+
+    kv_wire_compiled.warm_up()
+    kv_transcode.warm_up()
+
+
 def compare(index: KvIndex, engines: list[SimEngine]) -> list[str]:
     """What differs between the index and the engines' caches (empty when equal)."""
     have = index_blocks(index)
@@ -113,6 +120,10 @@ class Rig:
     load_task: asyncio.Task | None = None
 
     async def start_bridges(self, topology, *, ack_timeout_s: float = 2.0) -> None:
+        # a bridge is ready once its numba kernels are compiled: on a fresh install that took the
+        # transcoder 36 s on a busy 2-core machine (one CI run timed out here), so compile them first,
+        # off the loop, and bound the bridges' own start below
+        await asyncio.to_thread(_warm_bridge_kernels)
         for i, pod in enumerate(self.pods):
             eng = SimEngine(pod, seed=100 + i)
             self.engines.append(eng)
@@ -124,10 +135,15 @@ class Rig:
             br = KvBridge(cfg, nc, subject_prefix=self.nats.subject_prefix, registry=CollectorRegistry(),
                           stream=stream_for_subject(topology, subject).name)
             self.bridges.append(br)
-            self._tasks.append(asyncio.create_task(br.run(self._stop), name=f"bridge-{pod}"))
-            # (a bound, not a speed claim: the first bridge of a fresh install compiles its numba
-            # kernels before it is ready, which took over 10 s in one CI run on a busy 2-core machine)
-            await asyncio.wait_for(br.ready.wait(), 60)
+            task = asyncio.create_task(br.run(self._stop), name=f"bridge-{pod}")
+            self._tasks.append(task)
+            ready = asyncio.create_task(br.ready.wait())
+            done, _ = await asyncio.wait({task, ready}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:  # the bridge stopped before it was ready: its own error, not a timeout
+                ready.cancel()
+                task.result()
+                raise AssertionError(f"bridge {pod} stopped before it was ready")
+            assert ready in done, f"bridge {pod} not ready within 30 s"
         # PUB/SUB joins asynchronously: serve until every bridge has seen a frame
         deadline = time.monotonic() + 20
         while any(b.stats.frames == 0 for b in self.bridges):
