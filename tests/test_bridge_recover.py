@@ -1,8 +1,8 @@
 """A bridge asks JetStream for the last batch it stored before numbering new ones; while the stream
 does not answer (a replicated stream electing its leader, a server restarting) it asks again,
-within a bound, instead of dying or starting its numbering afresh. The JetStream side of this is
-exercised on a real 3-node cluster by tests/test_chaos_cluster.py; here the client's errors are
-raised by a stand-in, to pin down the retry itself."""
+within a bound, instead of dying or starting its numbering afresh. On real servers,
+tests/test_chaos_cluster.py takes a 3-node cluster down and up under it; here the client's errors
+are raised by a stand-in, to pin down each kind of error and the bound."""
 
 from __future__ import annotations
 

@@ -139,3 +139,53 @@ async def _info(js, stream):
             pass
         await asyncio.sleep(0.2)
     raise AssertionError(f"stream {stream} has no leader")
+
+
+async def test_a_bridge_starting_while_the_cluster_is_down_waits_for_it(tmp_path):
+    """Every node down (a full restart): JetStream does not answer at all. A bridge starting then asks
+    for its last stored batch again until the cluster is back, and continues after it: it neither
+    dies (as it did at the first request's timeout) nor starts numbering afresh. With two of three
+    nodes down the survivor still answers this read, so the whole cluster goes down here."""
+    from consumers.kv_bridge import last_stored_position
+    from schemas import KvEventBatch, kv_binary
+    from schemas import subjects as S
+    from schemas.kv import BlockStored
+    from streams.topology import stream_for_subject
+
+    cluster = NatsCluster(tmp_path, 3)
+    cluster.start_all()
+    cfg = NatsConfig(servers=cluster.urls, connect_timeout_s=2)
+    topo = build_topology(TopologyConfig(replicas=3))
+    nc = None
+    try:
+        async def connected():
+            nonlocal nc
+            try:
+                nc = await bus.connect(cfg)
+                await nc.jetstream().account_info()
+                return True
+            except Exception:  # noqa: BLE001 - the cluster is still electing its meta leader
+                if nc is not None:
+                    await nc.close()
+                    nc = None
+                return False
+
+        await until(connected, 30, "the JetStream cluster", every=0.5)
+        js = nc.jetstream()
+        await until(lambda: _apply(js, topo), 30, "the topology applied at R3", every=0.5)
+        subject = S.kv_events("m", "p")
+        stream = stream_for_subject(topo, subject).name
+        b = KvEventBatch(pod="p", model="m", epoch=3, seq=7, ts=1.0,
+                         events=[BlockStored(block_hashes=[1], token_ids=[1, 2], block_size=2)])
+        await bus.publish(js, subject, kv_binary.encode(b))
+        await _info(js, stream)
+        cluster.stop_all()
+        asking = asyncio.create_task(last_stored_position(js, stream, subject, wait_s=120))
+        await asyncio.sleep(7)  # (longer than one request's 5 s timeout)
+        assert not asking.done(), asking.result() if not asking.exception() else asking.exception()
+        cluster.start_all()
+        assert await asyncio.wait_for(asking, 120) == (3, 7)
+    finally:
+        if nc is not None:
+            await nc.close()
+        cluster.stop_all()
