@@ -184,6 +184,28 @@ async def topology_info(js: JetStreamContext, specs: tuple[StreamSpec, ...]) -> 
     return rows
 
 
+UNANSWERED = (NatsTimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+              nats.js.errors.ServiceUnavailableError)  # no stream leader yet, a server restarting
+
+
+async def while_unanswered(call: Callable[[], Awaitable], what: str, deadline_s: float = 30.0):
+    """Run a JetStream API ``call``, again while JetStream does not answer it (:data:`UNANSWERED`):
+    on a cluster a request made while a stream's leader is being elected, or while the servers
+    restart, gets no answer within nats-py's timeout. For calls that are safe to repeat (reads;
+    creating or deleting the same consumer); the last error is raised once ``deadline_s`` is up."""
+    end = time.monotonic() + deadline_s
+    delay = 0.25
+    while True:
+        try:
+            return await call()
+        except UNANSWERED as exc:
+            if time.monotonic() + delay > end:
+                raise
+            log.warning("JetStream did not answer (%s: %s); asking again in %.2g s", what, type(exc).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 4.0)
+
+
 async def publish(
     js: JetStreamContext,
     subject: str,

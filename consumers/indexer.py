@@ -92,25 +92,6 @@ FLUSH_DELAY_S = 0.002  # while messages trickle in, fold them in runs at most th
 SNAPSHOT_CHUNK = 1 << 20  # object-store chunk bytes (nats-py's default, 128 KiB, costs 8x the messages)
 
 
-async def _while_electing(call, what: str, deadline_s: float = 30.0):  # noqa: ANN001, ANN202
-    """Run a JetStream API ``call``, again while it times out: on a cluster a request made while
-    the stream's leader is being elected (a node just died) gets no answer within nats-py's
-    timeout. Creating or deleting the same consumer twice is harmless, so retrying is safe."""
-    from nats.errors import TimeoutError as NatsTimeout
-
-    end = time.monotonic() + deadline_s
-    delay = 0.25
-    while True:
-        try:
-            return await call()
-        except (NatsTimeout, asyncio.TimeoutError):
-            if time.monotonic() + delay > end:
-                raise
-            log.warning("JetStream did not answer (%s); retrying in %.2g s (leader election?)", what, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 4.0)
-
-
 class IndexerMetrics:
     def __init__(self, registry: CollectorRegistry | None, service: "IndexerService"):
         self.batches = Counter("infernex_indexer_batches_total", "KV event batches applied", registry=registry)
@@ -236,7 +217,7 @@ class IndexerService:
         self._nc = await bus.connect(self.nats_config, name=f"indexer-{self.config.durable}")
         self._js = self._nc.jetstream()
         try:  # (a node that just died may have led the stream: wait out the election)
-            await _while_electing(lambda: self._js.stream_info(self.stream), f"stream info {self.stream}")
+            await bus.while_unanswered(lambda: self._js.stream_info(self.stream), f"stream info {self.stream}")
         except NotFoundError:
             await self._nc.close()
             raise RuntimeError(f"stream {self.stream} does not exist; run `infernex streams apply` first") from None
@@ -396,7 +377,7 @@ class IndexerService:
             except NotFoundError:
                 pass
 
-        await _while_electing(delete, "delete consumer")
+        await bus.while_unanswered(delete, "delete consumer")
         cfg = ConsumerConfig(
             durable_name=self.config.durable, deliver_subject=self._nc.new_inbox(),
             ack_policy=AckPolicy.ALL,  # one ack covers every message before it
@@ -410,7 +391,7 @@ class IndexerService:
             self.stream, cfg, self.config.durable, cb=self._on_msg, manual_ack=True,
             pending_msgs_limit=2 * self.config.max_ack_pending + 1024, pending_bytes_limit=1 << 30)
         self._next_dseq = 1
-        await _while_electing(lambda: self._js.add_consumer(self.stream, cfg), "create consumer")
+        await bus.while_unanswered(lambda: self._js.add_consumer(self.stream, cfg), "create consumer")
 
     async def snapshot(self) -> None:
         """Write a snapshot of the current state; returns once it is stored (raises if not)."""

@@ -281,32 +281,17 @@ def encode_batch(batch: OutBatch, *, binary: bool = True, digests: bool = True) 
                                                       kv_binary.JSON_CONTENT_TYPE)
 
 
-_UNANSWERED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
-               nats.js.errors.ServiceUnavailableError)  # no stream leader yet, or the server busy
-
-
 async def last_stored_position(js: JetStreamContext, stream: str, subject: str, *,
                                wait_s: float = 0.0) -> tuple[int, int] | None:
     """``(epoch, seq)`` of the last batch stored on ``subject``, or None. While JetStream does not
-    answer (a replicated stream electing its leader, a server restarting) it is asked again for up
-    to ``wait_s`` seconds: a bridge must not start numbering batches afresh because the stream was
-    briefly unavailable, nor give up on it."""
-    deadline = time.monotonic() + wait_s
-    delay = 0.2
-    while True:
-        try:
-            msg = await js.get_last_msg(stream, subject)
-            break
-        except nats.js.errors.NotFoundError:
-            return None
-        except _UNANSWERED as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            log.warning("kv-bridge: stream %s did not answer for the last stored batch (%s); asking again",
-                        stream, type(exc).__name__)
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, 2.0)
+    answer (a replicated stream electing its leader, the servers restarting) it is asked again for
+    up to ``wait_s`` seconds: a bridge must not start numbering batches afresh because the stream
+    was briefly unavailable, nor give up on it."""
+    try:
+        msg = await bus.while_unanswered(lambda: js.get_last_msg(stream, subject),
+                                         f"last batch stored on {subject}", deadline_s=wait_s)
+    except nats.js.errors.NotFoundError:
+        return None
     try:
         if kv_binary.is_binary(msg.data):
             parts = kv_binary.split(msg.data)  # a group: its last batch
