@@ -37,21 +37,8 @@ async def test_kill_the_stream_and_bucket_leaders_of_an_r3_cluster(tmp_path):
     rig = Rig(cfg)
     indexer = feeds = None
     try:
-        async def connected():
-            nonlocal nc
-            try:
-                nc = await bus.connect(cfg)
-                await nc.jetstream().account_info()
-                return True
-            except Exception:  # noqa: BLE001 - the cluster is still electing its meta leader
-                if nc is not None:
-                    await nc.close()
-                    nc = None
-                return False
-
-        await until(connected, 30, "the JetStream cluster", every=0.5)
+        nc = await _connect_and_apply(cfg, topo)
         js = nc.jetstream()
-        await until(lambda: _apply(js, topo), 30, "the topology applied at R3", every=0.5)
         await rig.start_bridges(topo)
         indexer = _indexer(cfg, topo)
         await indexer.start()
@@ -121,6 +108,31 @@ async def test_kill_the_stream_and_bucket_leaders_of_an_r3_cluster(tmp_path):
         cluster.stop_all()
 
 
+async def _connect_and_apply(cfg, topo):
+    """A client of the new cluster once it has elected its meta leader, with the topology applied."""
+    nc = None
+
+    async def connected():
+        nonlocal nc
+        try:
+            nc = await bus.connect(cfg)
+            await nc.jetstream().account_info()
+            return True
+        except Exception:  # noqa: BLE001 - the cluster is still electing its meta leader
+            if nc is not None:
+                await nc.close()
+                nc = None
+            return False
+
+    await until(connected, 30, "the JetStream cluster", every=0.5)
+    try:
+        await until(lambda: _apply(nc.jetstream(), topo), 30, "the topology applied at R3", every=0.5)
+    except BaseException:
+        await nc.close()
+        raise
+    return nc
+
+
 async def _apply(js, topo) -> bool:
     try:
         await bus.apply_topology(js, topo)
@@ -158,21 +170,8 @@ async def test_a_bridge_starting_while_the_cluster_is_down_waits_for_it(tmp_path
     topo = build_topology(TopologyConfig(replicas=3))
     nc = None
     try:
-        async def connected():
-            nonlocal nc
-            try:
-                nc = await bus.connect(cfg)
-                await nc.jetstream().account_info()
-                return True
-            except Exception:  # noqa: BLE001 - the cluster is still electing its meta leader
-                if nc is not None:
-                    await nc.close()
-                    nc = None
-                return False
-
-        await until(connected, 30, "the JetStream cluster", every=0.5)
+        nc = await _connect_and_apply(cfg, topo)
         js = nc.jetstream()
-        await until(lambda: _apply(js, topo), 30, "the topology applied at R3", every=0.5)
         subject = S.kv_events("m", "p")
         stream = stream_for_subject(topo, subject).name
         b = KvEventBatch(pod="p", model="m", epoch=3, seq=7, ts=1.0,
