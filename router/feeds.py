@@ -24,6 +24,7 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from consumers import bus
 from consumers.bus import DeadLetters, stream_seq_of
 from router.state import ClusterState
 from schemas import EngineAnnouncement, EngineMetrics, KvEventBatch, ValidationFailure, decode_event
@@ -41,9 +42,10 @@ class BusFeeds:
     def __init__(self, nc, state: ClusterState, *, prefix: str | None = None, index: Any = None,
                  registry: CollectorRegistry | None = None, consumer_name: str = "router",
                  kv_snapshot: str | None = None, kv_reorder_window_s: float = 10.0,
-                 kv_catchup_timeout_s: float = 60.0):
+                 kv_catchup_timeout_s: float = 60.0, subscribe_wait_s: float = 60.0):
         self.nc = nc
         self.js = nc.jetstream()
+        self.subscribe_wait_s = subscribe_wait_s  # how long start() asks JetStream while it does not answer
         self.state = state
         self.index = index
         self.prefix = prefix
@@ -151,8 +153,12 @@ class BusFeeds:
                 await self._kv_backlog(spec.name)
             if model is KvEventBatch and self.kv_start_seq > 1:
                 config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.kv_start_seq)
-            self._subs.append(await self.js.subscribe(full, cb=cb, ordered_consumer=True, stream=spec.name,
-                                                      config=config))
+            # (while JetStream does not answer, e.g. the cluster restarting, ask again rather than fail the
+            # router's start; an ordered consumer asked for twice leaves an ephemeral one that expires)
+            self._subs.append(await bus.while_unanswered(
+                lambda full=full, cb=cb, spec=spec, config=config: self.js.subscribe(
+                    full, cb=cb, ordered_consumer=True, stream=spec.name, config=config),
+                f"subscribe to {full}", deadline_s=self.subscribe_wait_s))
         if self.index is not None and hasattr(self.index, "release_expired"):
             self._release_task = asyncio.create_task(self._release_waiting(), name="router-kv-release")
 
