@@ -355,9 +355,11 @@ async def ensure_durable(js: JetStreamContext, stream: str, durable: str, filter
                          *, ack_wait_s: float = 30.0, max_ack_pending: int = 20000,
                          deliver_policy: DeliverPolicy = DeliverPolicy.ALL) -> None:
     """Create the durable consumer unless it exists; an existing one is left as it is (its
-    position, and any start point it was re-pointed to, are the durable state to keep)."""
+    position, and any start point it was re-pointed to, are the durable state to keep). While
+    JetStream does not answer (a cluster restarting) both requests are asked again
+    (:func:`while_unanswered`): a service starting then waits for it instead of failing."""
     try:
-        await js.consumer_info(stream, durable)
+        await while_unanswered(lambda: js.consumer_info(stream, durable), f"consumer {durable} on {stream}")
         return
     except NotFoundError:
         pass
@@ -371,7 +373,7 @@ async def ensure_durable(js: JetStreamContext, stream: str, durable: str, filter
         max_deliver=-1,
     )
     try:
-        await js.add_consumer(stream, cfg)
+        await while_unanswered(lambda: js.add_consumer(stream, cfg), f"create consumer {durable} on {stream}")
     except APIError as exc:
         if "already in use" not in str(exc) and getattr(exc, "err_code", None) != 10148:
             raise

@@ -1,7 +1,8 @@
-"""The router's bus feeds start while NATS is restarting: JetStream does not answer the consumer
-requests for a while (each times out after 5 s), and the router asks again instead of failing its
-start; once the server is back its KV feed folds what engines publish. A real nats-server, stopped
-and started on the same port and store."""
+"""Services that start while NATS is restarting: JetStream does not answer their consumer requests
+for a while (each times out after 5 s), and they ask again instead of failing their start
+(consumers.bus.while_unanswered). A real nats-server, stopped and started on the same port and
+store: the router's bus feeds, then fold what engines publish; a durable consumer (the SLA sink's,
+the diagnosis engine's, the Kafka exporter's), then exists where it was asked for."""
 
 from __future__ import annotations
 
@@ -50,6 +51,30 @@ async def test_the_router_starts_its_feeds_while_nats_restarts(tmp_path):
     finally:
         if feeds is not None:
             await feeds.stop()
+        if nc is not None:
+            await nc.close()
+        server.stop()
+
+
+async def test_a_durable_consumer_is_created_once_nats_is_back(tmp_path):
+    server = EmbeddedNats(tmp_path / "store")
+    server.start()
+    nc = None
+    try:
+        nc = await bus.connect(NatsConfig(servers=[server.url], connect_timeout_s=3))
+        js = nc.jetstream()
+        topo = build_topology()
+        await bus.apply_topology(js, topo)
+        stream = topo[0].name
+        server.stop()
+        creating = asyncio.create_task(bus.ensure_durable(js, stream, "after-restart", None))
+        await asyncio.sleep(7)  # (longer than one request's 5 s timeout)
+        assert not creating.done(), creating.exception()
+        server.start()
+        await asyncio.wait_for(creating, 60)
+        info = await js.consumer_info(stream, "after-restart")
+        assert info.config.durable_name == "after-restart"
+    finally:
         if nc is not None:
             await nc.close()
         server.stop()
