@@ -107,7 +107,7 @@ class DiagnosisService:
         for subj in needed:
             stream = self._stream(S.with_prefix(self.prefix, subj))
             try:
-                await self.js.stream_info(stream)
+                await bus.while_unanswered(lambda stream=stream: self.js.stream_info(stream), f"stream info {stream}")
             except NotFoundError:
                 raise RuntimeError(f"JetStream stream {stream} does not exist; run `infernex streams apply` "
                                    f"(or `infernex up`) first") from None
@@ -133,7 +133,7 @@ class DiagnosisService:
         server rejects for a durable created with another policy; hence this small variant.)
         """
         try:
-            await self.js.consumer_info(stream, durable)
+            await bus.while_unanswered(lambda: self.js.consumer_info(stream, durable), f"consumer {durable}")
         except NotFoundError:
             await bus.ensure_durable(self.js, stream, durable, subject, deliver_policy=policy)
         return await self.js.pull_subscribe_bind(durable=durable, stream=stream)

@@ -300,6 +300,7 @@ async def follow_announcements(js, announced: AnnouncedBackends, *, prefix: str 
     subscription (unsubscribe to stop)."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
+    from consumers import bus
     from consumers.bus import DeadLetters
     from schemas import EngineAnnouncement, ValidationFailure
     from streams.topology import build_topology, stream_for_subject
@@ -319,5 +320,6 @@ async def follow_announcements(js, announced: AnnouncedBackends, *, prefix: str 
             except Exception as e:  # noqa: BLE001 - the feed must keep going
                 log.warning("dead letter publish failed: %s", type(e).__name__)
 
-    return await js.subscribe(full, cb=cb, ordered_consumer=True, stream=spec.name if spec else None,
-                              config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT))
+    return await bus.while_unanswered(lambda: js.subscribe(
+        full, cb=cb, ordered_consumer=True, stream=spec.name if spec else None,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)), f"subscribe to {full}")
