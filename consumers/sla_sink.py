@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import xxhash
 from nats.aio.msg import Msg
@@ -282,9 +282,11 @@ class SlaSink:
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=self.cfg.ack_wait_s,
             max_ack_pending=3 * self.cfg.batch_rows, max_deliver=-1,
         )
-        sub = await bus.while_unanswered(lambda: self.js.subscribe(  # (the same durable asked for again binds to it)
+        # (the same durable asked for again binds to it; nats-py fills in the config: a fresh copy each time)
+        sub = await bus.while_unanswered(lambda: self.js.subscribe(
             S.with_prefix(self.prefix, route.wildcard), stream=spec.name, durable=self.durable_name(route),
-            cb=cb, manual_ack=True, config=config, pending_msgs_limit=max(65536, 4 * self.cfg.batch_rows),
+            cb=cb, manual_ack=True, config=replace(config),
+            pending_msgs_limit=max(65536, 4 * self.cfg.batch_rows),
             pending_bytes_limit=256 * 1024 * 1024,
         ), f"subscribe {self.durable_name(route)}")
         try:

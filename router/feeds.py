@@ -17,6 +17,7 @@ so in the log and on ``infernex_router_kv_feed_behind_messages``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -154,10 +155,12 @@ class BusFeeds:
             if model is KvEventBatch and self.kv_start_seq > 1:
                 config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.kv_start_seq)
             # (while JetStream does not answer, e.g. the cluster restarting, ask again rather than fail the
-            # router's start; an ordered consumer asked for twice leaves an ephemeral one that expires)
+            # router's start. nats-py fills in the config it is given, its deliver subject too: each ask
+            # gets a fresh copy, so a consumer created by an ask whose answer was lost delivers to no one
+            # and expires, instead of sharing the next one's subject)
             self._subs.append(await bus.while_unanswered(
                 lambda full=full, cb=cb, spec=spec, config=config: self.js.subscribe(
-                    full, cb=cb, ordered_consumer=True, stream=spec.name, config=config),
+                    full, cb=cb, ordered_consumer=True, stream=spec.name, config=dataclasses.replace(config)),
                 f"subscribe to {full}", deadline_s=self.subscribe_wait_s))
         if self.index is not None and hasattr(self.index, "release_expired"):
             self._release_task = asyncio.create_task(self._release_waiting(), name="router-kv-release")
