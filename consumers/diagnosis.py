@@ -129,13 +129,10 @@ class DiagnosisService:
     async def _bind(self, stream: str, durable: str, subject: str, policy: DeliverPolicy):
         """Create the durable on first start (with ``policy``), then bind to it as it is.
 
-        (``bus.run_durable`` re-adds the consumer with DeliverPolicy.ALL on every start, which the
-        server rejects for a durable created with another policy; hence this small variant.)
+        (``bus.run_durable`` would create it with DeliverPolicy.ALL; hence this small variant.
+        ``bus.ensure_durable`` leaves an existing durable as it is.)
         """
-        try:
-            await bus.while_unanswered(lambda: self.js.consumer_info(stream, durable), f"consumer {durable}")
-        except NotFoundError:
-            await bus.ensure_durable(self.js, stream, durable, subject, deliver_policy=policy)
+        await bus.ensure_durable(self.js, stream, durable, subject, deliver_policy=policy)
         return await self.js.pull_subscribe_bind(durable=durable, stream=stream)
 
     async def _consume(self, sub, handle, fetch_timeout: float) -> None:
