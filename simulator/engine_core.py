@@ -238,9 +238,12 @@ class EngineCore:
         if n + max_tokens > cfg.max_model_len:
             raise ValueError(f"this model's maximum context length is {cfg.max_model_len} tokens; the request "
                              f"has {n} prompt tokens and asks for {max_tokens} more")
-        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-            raise ValueError(f"prompt of {n} tokens exceeds max_num_batched_tokens={cfg.max_num_batched_tokens} "
-                             "and chunked prefill is disabled")
+        if not cfg.enable_chunked_prefill and n + max_tokens > cfg.max_num_batched_tokens:
+            # (vLLM refuses such a configuration: without chunked prefill, max_num_batched_tokens must
+            # hold max_model_len. A request longer than one step's budget would never run again once
+            # preempted, since its prompt and output so far are recomputed in one step)
+            raise ValueError(f"prompt of {n} tokens plus max_tokens {max_tokens} exceeds max_num_batched_tokens="
+                             f"{cfg.max_num_batched_tokens} and chunked prefill is disabled")
         if -(-(n + max_tokens) // self.block_size) > self.num_blocks:
             raise ValueError(f"request needs more KV blocks than the engine has ({self.num_blocks})")
         if remote_prefill is not None and remote_prefill.num_tokens != n:

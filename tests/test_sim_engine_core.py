@@ -177,6 +177,32 @@ def test_rejects_bad_requests():
     nochunk = make(enable_chunked_prefill=False, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="chunked"):
         nochunk.add_request("d", list(range(20)), 1, 0.0)
+    with pytest.raises(ValueError, match="chunked"):  # the prompt fits, but not with its output
+        nochunk.add_request("e", list(range(12)), 5, 0.0)
+
+
+def test_without_chunked_prefill_no_request_can_outgrow_a_step():
+    """A workload Hypothesis found: requests preempted for blocks are recomputed whole (prompt and
+    output so far) in one step, so one longer than the step budget never ran again and the engine
+    sat idle with work forever. Such requests are now refused on arrival (as vLLM refuses the
+    configuration), and the rest drain."""
+    core = make(num_gpu_blocks=20, max_num_batched_tokens=24, max_num_seqs=4, enable_chunked_prefill=False)
+    workload = [(3, 23, 3), (1, 30, 3), (4, 38, 11), (2, 15, 12), (3, 10, 7), (1, 40, 2), (4, 6, 4), (1, 23, 6),
+                (1, 19, 1)]
+    prefixes = [[(k * 1000 + j) % 30000 + 20 for j in range(40)] for k in range(6)]
+    now, refused = 0.0, []
+    for i, (pref, length, out) in enumerate(workload):
+        prompt = (prefixes[pref][:length] + [i + 20])[:24]
+        try:
+            core.add_request(f"q{i}", prompt, out, now)
+        except ValueError:
+            refused.append(i)
+            continue
+        res = core.step(now)
+        now = res.end if not res.idle else now
+    assert refused == [i for i, (p, n, out) in enumerate(workload) if min(n + 1, 24) + out > 24]
+    drain(core, now)  # (asserts the engine never sits idle with work)
+    assert not core.has_work and core.num_free_blocks == 20
 
 
 def test_reset_prefix_cache_emits_cleared_and_is_refused_while_busy():
@@ -268,8 +294,8 @@ def test_events_fold_to_ground_truth(workload, chunked):
     now = 0.0
     for i, (pref, length, out) in enumerate(workload):
         prompt = prefixes[pref][:length] + [i + 20]
-        if not chunked and len(prompt) > 24:
-            prompt = prompt[:24]
+        if not chunked and len(prompt) + out > 24:  # (without chunked prefill a request fits one step)
+            prompt = prompt[:24 - out]
         core.add_request(f"q{i}", prompt, out, now)
         res = core.step(now)
         fold(res.events, state)
