@@ -61,8 +61,13 @@ async def topology(nc, prefix):
 
 
 def pytest_sessionstart(session):
-    """Compile the KV index kernels once, up front (numba caches them on disk for every later
-    process): else the first tests and the services they start would each pay the compile."""
+    """Compile the KV index's and the bridge's kernels once, up front (numba caches them on disk
+    for every later process): else the first tests and the services they start would each pay the
+    compile (the bridge's transcoder alone takes 30-40 s cold on a busy 2-core machine, longer than
+    a bridge test's bound)."""
+    from consumers import kv_transcode, kv_wire_compiled
     from streams.kv_index import warm_up
 
     warm_up()
+    kv_wire_compiled.warm_up()
+    kv_transcode.warm_up()
