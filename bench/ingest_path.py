@@ -1,6 +1,11 @@
 """The whole KV ingest path, JSON vs binary on the bus, interleaved in one run.
 
     python bench/ingest_path.py [--runs 3] [--pods 4] [--frames 2000] [--rate 1000] [--seconds 10]
+        [--encodings binary] [--before-ref REF]
+
+``--before-ref REF`` adds each encoding again with the bridges and the indexer of git ``REF``
+(extracted with ``git archive``; its kernels compiled before the first round), in the same
+interleaved rounds, so a change to the path is measured against its parent side by side.
 
 Per run (encodings alternate: json, binary, json, ...; each run on a fresh file-backed
 nats-server): one publisher process sends vLLM-0.33-shaped frames (``simulator.kv_events.
@@ -215,7 +220,8 @@ def indexer_role(url: str, lag_file: str, port: int) -> None:
     uvloop.run(run())
 
 
-async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen]) -> tuple[dict[str, str], int]:
+async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen],
+                          tree: Path = ROOT) -> tuple[dict[str, str], int]:
     """On a started nats-server: the topology, the environment for processes that use it, and the
     indexer process (``--role indexer``, lags to ``tmp/lags.json``) started, added to ``procs``
     and ready. Returns ``(env, indexer HTTP port)``."""
@@ -227,10 +233,10 @@ async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen]) -> tu
     nc = await bus.connect(NatsConfig(servers=[server.url], subject_prefix=PREFIX))
     await bus.apply_topology(nc.jetstream(), build_topology(prefix=PREFIX))
     await nc.close()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "INFERNEX_NATS__SERVERS": server.url,
+    env = {**os.environ, "PYTHONPATH": str(tree), "INFERNEX_NATS__SERVERS": server.url,
            "INFERNEX_NATS__SUBJECT_PREFIX": PREFIX}
     port = free_port()
-    ix = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--role", "indexer", "--url", server.url,
+    ix = subprocess.Popen([sys.executable, str(Path(tree) / "bench" / "ingest_path.py"), "--role", "indexer", "--url", server.url,
                            "--lag-file", str(Path(tmp) / "lags.json"), "--port", str(port)],
                           env=env, stdout=subprocess.PIPE, text=True)
     procs.append(ix)
@@ -356,6 +362,8 @@ async def one_run(encoding: str, args) -> dict:
 
     if encoding == "dynamo":
         return await dynamo_run(args)
+    encoding, _, ref = encoding.partition("@")  # "binary@REF": that git ref's bridges and indexer
+    tree = args.trees[ref] if ref else ROOT
 
     from infernex.embedded_nats import EmbeddedNats, free_port
 
@@ -365,7 +373,7 @@ async def one_run(encoding: str, args) -> dict:
     procs: list[subprocess.Popen] = []
     pub = None
     try:
-        env, ix_port = await bus_and_indexer(server, tmp, procs)
+        env, ix_port = await bus_and_indexer(server, tmp, procs, tree)
         ix = procs[-1]
         lag_file = Path(tmp) / "lags.json"
         ports = [free_port() for _ in range(args.pods)]
@@ -379,6 +387,7 @@ async def one_run(encoding: str, args) -> dict:
                 [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv", "--endpoint", f"tcp://127.0.0.1:{p}",
                  "--pod", f"pod-{i}", "--model", MODEL, "--encoding", "json" if encoding == "json" else "binary",
                  "--group-max", "1" if encoding in ("json", "binary1") else str(args.group_max),
+                 *(["--group-wait", str(args.group_wait)] if args.group_wait is not None else []),
                  "--metrics-port", str(mports[i])],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"bridge-{i}.log", "w")))
         procs.extend(bridges)
@@ -486,6 +495,10 @@ def main() -> None:
     ap.add_argument("--encodings", default="json,binary1,binary",
                     help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
     ap.add_argument("--group-max", type=int, default=64, help="the bridges' --group-max for 'binary'")
+    ap.add_argument("--group-wait", type=float, default=None, help="the bridges' --group-wait (default: theirs)")
+    ap.add_argument("--before-ref", default=None,
+                    help="also run each encoding with the bridges and the indexer of this git ref (extracted with "
+                         "git archive), interleaved in the same rounds")
     ap.add_argument("--dynamo-python", default="auto",
                     help="python of a venv with ai-dynamo-runtime (adds Dynamo's standalone indexer to the rounds); "
                          "auto: bench/peers.py's cached venv, created on first use; none: leave Dynamo out")
@@ -497,6 +510,16 @@ def main() -> None:
 
     args.dynamo_python = dynamo_python(args.dynamo_python)
     encs = args.encodings.split(",")
+    args.trees = {}
+    if args.before_ref:
+        from bench.peers import extract_ref
+
+        tree = args.trees[args.before_ref] = Path(extract_ref(args.before_ref))
+        # its kernels compiled once here (numba caches them in that tree), not by four bridges at once
+        subprocess.run([sys.executable, "-c", "from streams.kv_index import warm_up; warm_up(); "
+                        "from consumers import kv_transcode, kv_wire_compiled; kv_wire_compiled.warm_up(); "
+                        "kv_transcode.warm_up()"], env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, check=True)
+        encs += [f"{e}@{args.before_ref}" for e in encs]
     if args.dynamo_python:
         out = subprocess.run([args.dynamo_python, "-c", "import importlib.metadata as m; "
                               "print(m.version('ai-dynamo-runtime'))"], capture_output=True, text=True)
@@ -533,8 +556,8 @@ def main() -> None:
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
               f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms; HTTP query while paced p50 {m['q_p50']:.2f} ms "
               f"p99 {m['q_p99']:.2f} ms (idle p50 {m['q_idle']:.2f} ms)")
-    for e in ("binary", "binary1", "json"):
-        if "dynamo" in med and e in med:
+    for e in [x for x in med if x != "dynamo"]:
+        if "dynamo" in med:
             d, b = med["dynamo"], med[e]
             print(f"  {e} / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
                   f"{b['all'] / d['all']:.2f}x")
