@@ -3,7 +3,8 @@ SLA sink, planner, replay, export.
 
 Owns: everything that reads from or writes to NATS JetStream (:mod:`consumers.bus`
 holds the shared connection, topology-apply, publish-with-dedupe, dead-letter and
-durable-consumer helpers), and the adapters from external formats (vLLM ZMQ frames,
+durable-consumer helpers; :mod:`consumers.http` the HTTP/1.1 server of the indexer's and
+the router's APIs), and the adapters from external formats (vLLM ZMQ frames,
 Prometheus text, npu-smi output) to :mod:`schemas` events.
 
 May import: :mod:`schemas`, :mod:`streams`, and I/O libraries (nats, zmq, httpx,

@@ -13,9 +13,9 @@
   (:meth:`streams.kv_index.KvIndex.lost`). A gap in the delivery
   sequence (a message the client dropped) or a handling error re-reads the stream from the
   last applied sequence.
-* Queries: HTTP ``POST /v1/index/query`` (plain ASGI, msgspec in and out), ``GET /v1/index/pods``,
-  ``/health``, ``/metrics`` (starlette + uvicorn), and NATS request-reply on ``kv.index.query``
-  (queue group, same JSON). ``prompt`` / ``messages`` are tokenized with an injected tokenizer.
+* Queries: HTTP ``POST /v1/index/query`` (msgspec in and out), ``GET /v1/index/pods``,
+  ``/health``, ``/metrics`` (the project's own HTTP server, :mod:`consumers.index_http`), and NATS
+  request-reply on ``kv.index.query`` (queue group, same JSON). ``prompt`` / ``messages`` are tokenized with an injected tokenizer.
 * Recovery: every N batches or T seconds the index is dumped (its own events; packed msgpack,
   see :func:`encode_dump`) to a JetStream object store with the stream sequence it covers;
   only the dump pauses consumption, encoding and writing overlap with it. On start the
@@ -203,8 +203,7 @@ class IndexerService:
         self._dlq: bus.DeadLetters | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._server = None
-        self._http_task: asyncio.Task | None = None
+        self._server = None  # the HTTP API's consumers.http.Server, once started
         self.snapshot_clock = time.monotonic()
         self._sub = None
         self._obj = None
@@ -267,12 +266,8 @@ class IndexerService:
                 t.cancel()
         self._tasks.clear()
         if self._server is not None:
-            self._server.should_exit = True
-            if self._http_task is not None:
-                try:
-                    await asyncio.wait_for(self._http_task, timeout=5)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    self._http_task.cancel()
+            await self._server.close(grace_s=5.0)
+            self._server = None
         if self._put_task is not None and not self._put_task.done():
             await asyncio.wait({self._put_task})
         if self._nc is not None and not self._nc.is_closed:
@@ -757,13 +752,7 @@ class IndexerService:
 
         return Health(f"indexer {self.config.durable}").add("nats", nats).add("consumer_lag", lag)
 
-    def http_app(self):
-        """The HTTP API as an ASGI app (see :mod:`consumers.index_http`)."""
-        from consumers.index_http import build_app
-
-        return build_app(self)
-
     async def _start_http(self) -> None:
         from consumers.index_http import serve
 
-        self._server, self._http_task, self.http_port = await serve(self)
+        self._server, self.http_port = await serve(self)

@@ -5,8 +5,8 @@ two-stage proxy, backend discovery, resilience (retries, migration, circuit brea
 drain) and the request records it publishes.
 
 May import: :mod:`schemas`, :mod:`streams` (it embeds folds such as the KV index and
-load state), :mod:`consumers.bus` for publishing and subscribing, and the simulator's
-tokenizers. Strategy plugins are pure: they read state snapshots passed in and never do I/O.
+load state), :mod:`consumers.bus` for publishing and subscribing, :mod:`consumers.http` (the HTTP/1.1
+server under its API, which the indexer's API uses too), and the simulator's tokenizers. Strategy plugins are pure: they read state snapshots passed in and never do I/O.
 
 Map
     ``types``      BackendState, RoutingRequest, Decision (plain data)
@@ -17,7 +17,6 @@ Map
     ``server``     the service: forwarding, SSE pass-through, PD, retries, migration, drain, auth
     ``admission``  per-backend in-flight caps from the router's own counts, bounded queue, key quotas
     ``openapi``    request models (msgspec) checked on every request, and the OpenAPI 3.1 document
-    ``http``       the HTTP/1.1 server under it (asyncio Protocol + httptools)
     ``upstream``   the pooled keep-alive HTTP/1.1 client to the engines (asyncio Protocol + httptools)
     ``metrics``    cheap per-request counters/histograms exposed through a prometheus_client collector
     ``feeds``      NATS inputs (announcements, metrics, diagnoses, KV events) -> state / KvIndex

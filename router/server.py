@@ -1,4 +1,4 @@
-"""The HTTP edge: OpenAI-compatible API in front of the engines (router.http server, router.upstream client).
+"""The HTTP edge: OpenAI-compatible API in front of the engines (consumers.http server, router.upstream client).
 
 Request path: parse and check the body -> tokenize -> ``Router.decide`` over the state snapshot
 -> (PD: prefill with ``max_tokens=1`` and ``do_remote_decode``) -> forward to the target, SSE
@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router import openapi
 from router.admission import Admission, Refused
 from router.config import RouterConfig
-from router.http import HttpError, Request, Response, Server, StreamResponse
+from consumers.http import HttpError, Request, Response, Server, StreamResponse
 from router import lazy_prompt
 from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed

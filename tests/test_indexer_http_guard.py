@@ -1,5 +1,5 @@
 """The indexer's HTTP API locked down: the router's key scheme, body size and time limits, a
-deadline for request heads, a cap on predicted-route TTLs (real uvicorn, real sockets)."""
+deadline for request heads, a cap on predicted-route TTLs (the project's HTTP server, real sockets)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The router's own HTTP layer: the httptools server (router.http) and the pooled upstream client
+"""The router's own HTTP layer: the httptools server (consumers.http) and the pooled upstream client
 (router.upstream), against real sockets (raw asyncio servers/clients and the fake engine)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from router.http import HttpError, Response, Server, StreamResponse
+from consumers.http import HttpError, Response, Server, StreamResponse
 from router.testing import FakeEngine
 from router.upstream import UpstreamError, UpstreamPool
 
@@ -159,6 +159,32 @@ async def test_idle_keep_alive_connections_are_closed():
         assert (status, body) == (200, b"ok") and h["date"].endswith("GMT")
         assert await asyncio.wait_for(r.read(), 10) == b""  # closed by the server once idle
         w.close()
+    finally:
+        await srv.close(grace_s=0.1)
+
+
+async def test_a_connection_that_never_sends_a_request_is_closed_after_the_request_timeout():
+    """Opened and silent: closed after ``request_timeout_s``, not held for the keep-alive time;
+    a connection that finished a request stays open for its keep-alive time."""
+    async def ok(req):
+        return Response(200, b"ok")
+
+    srv = Server(request_timeout_s=0.4, keepalive_s=60)
+    srv.add("GET", "/", ok)
+    host, port = await srv.start("127.0.0.1", 0)
+    try:
+        silent_r, silent_w = await asyncio.open_connection(host, port)
+        used_r, used_w = await asyncio.open_connection(host, port)
+        used_w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await read_response(used_r))[0] == 200
+        t = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(silent_r.read(), 10) == b""  # closed by the server
+        assert asyncio.get_running_loop().time() - t < 5
+        await asyncio.sleep(0.5)
+        used_w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # the used one is still open
+        assert (await read_response(used_r))[0] == 200
+        silent_w.close()
+        used_w.close()
     finally:
         await srv.close(grace_s=0.1)
 

@@ -1,4 +1,5 @@
-"""A small HTTP/1.1 server for the router's edge: asyncio Protocol + httptools (llhttp, as uvicorn).
+"""A small HTTP/1.1 server for the router's edge and the indexer's API: asyncio Protocol + httptools
+(llhttp, as uvicorn).
 
 aiohttp's web server spends ~40-60 µs of Python per request (request and response objects,
 multidicts, router resolution, middleware chain, payload writers); the router's endpoints need
@@ -14,7 +15,8 @@ Keep-alive and pipelined requests are served in order; ``Expect: 100-continue`` 
 ``Content-Length`` over ``max_body`` is refused at the headers (413, then the rest of the upload is
 read and dropped before closing, so the client sees the answer); request heads over 64 KiB get 431;
 a client that goes away cancels its handler task (so the handler can cancel upstream work); idle
-keep-alive connections are closed after ``keepalive_s`` by one sweeper task (no timer per request).
+keep-alive connections are closed after ``keepalive_s`` (one that never sent a request after
+``request_timeout_s``) by one sweeper task (no timer per request).
 ``Server.close`` stops listening, lets running handlers finish within a grace period and closes
 the connections.
 """
@@ -171,7 +173,7 @@ Handler = Callable[[Request], Awaitable[Any]]
 class _HttpProtocol(asyncio.Protocol):
     __slots__ = ("server", "transport", "parser", "remote", "closed", "paused", "close_after", "_url", "_headers",
                  "_body", "_size", "_head_size", "_queue", "_task", "_drain", "_too_large", "idle_since", "_stopped",
-                 "_discard", "reading_since")
+                 "_discard", "reading_since", "fresh")
 
     def __init__(self, server: "Server"):
         self.server = server
@@ -189,6 +191,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._too_large = False
         self.idle_since = 0.0  # loop time when the connection last finished a request (0: busy or new)
         self.reading_since = 0.0  # loop time a request began arriving, until it is complete (0: none)
+        self.fresh = True  # no request has begun on it yet
         self._stopped = False  # reading paused after an error: unread input may be pending
         self._discard = False  # lingering close: input is read and dropped
         self._queue: deque[Request | HttpError] = deque()
@@ -254,6 +257,7 @@ class _HttpProtocol(asyncio.Protocol):
 
     # -- httptools callbacks --------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self.fresh = False
         self.idle_since = 0.0
         self.reading_since = self.server.loop.time()
         self._url = b""
@@ -477,8 +481,9 @@ class Server:
         return self._server.sockets[0].getsockname()[:2]
 
     async def _sweep(self) -> None:
-        """Close keep-alive connections idle for longer than ``keepalive_s``, and answer 408 to
-        requests still arriving after ``request_timeout_s`` (no timer per request)."""
+        """Close keep-alive connections idle for longer than ``keepalive_s`` (a connection that has
+        sent nothing since it opened: ``request_timeout_s``), and answer 408 to requests still
+        arriving after ``request_timeout_s`` (no timer per request)."""
         while True:
             await asyncio.sleep(min(5.0, self.keepalive_s / 2, self.request_timeout_s / 2))
             now = self.loop.time()
@@ -487,8 +492,8 @@ class Server:
             for c in list(self._conns):
                 if c._task is not None or c.transport is None:
                     continue
-                if c.idle_since and c.idle_since < limit:
-                    c.transport.close()
+                if c.idle_since and (c.idle_since < limit or (c.fresh and c.idle_since < slow)):
+                    c.transport.close()  # idle past keep-alive, or opened and silent past the request timeout
                 elif c.reading_since and c.reading_since < slow:
                     c.send(_TIMEOUT_408)
                     # linger: the client may still be sending; a close with unread input would
