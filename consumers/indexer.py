@@ -15,7 +15,8 @@
   last applied sequence.
 * Queries: HTTP ``POST /v1/index/query`` (msgspec in and out), ``GET /v1/index/pods``,
   ``/health``, ``/metrics`` (the project's own HTTP server, :mod:`consumers.index_http`), and NATS
-  request-reply on ``kv.index.query`` (queue group, same JSON). ``prompt`` / ``messages`` are tokenized with an injected tokenizer.
+  request-reply on ``kv.index.query`` (queue group, same JSON). ``prompt`` / ``messages`` are
+  tokenized with an injected tokenizer.
 * Recovery: every N batches or T seconds the index is dumped (its own events; packed msgpack,
   see :func:`encode_dump`) to a JetStream object store with the stream sequence it covers;
   only the dump pauses consumption, encoding and writing overlap with it. On start the
