@@ -228,8 +228,8 @@ class BridgeConfig:
     # while frames arrive faster than one per group_wait_s, the bridge waits up to this long for more
     # before it publishes a group that is not full: a busy engine's frames go out in fewer, larger
     # messages (less CPU per block in the bridge, nats-server and every consumer); a quiet engine's
-    # frame is published at once (0 = never wait). 6 ms: bench/RESULTS.md, session 20
-    group_wait_s: float = 0.006
+    # frame is published at once (0 = never wait)
+    group_wait_s: float = 0.002
     # binary: runs of in-order frames in vLLM's current shape go through the compiled transcoder
     # (consumers.kv_transcode; needs numba); False: every frame through the Python decoder
     transcode: bool = True

@@ -71,7 +71,7 @@ def bridge_vllm_kv(
     group_max: int = typer.Option(64, "--group-max", min=1,
                                   help="binary: batches ready at once go out as one group message of at most "
                                        "this many (1 = a message per batch)"),
-    group_wait: float = typer.Option(0.006, "--group-wait", min=0, max=1,
+    group_wait: float = typer.Option(0.002, "--group-wait", min=0, max=1,
                                      help="binary: while frames arrive faster than one per this many seconds, "
                                           "wait up to this long for a fuller group (0 = never wait)"),
     token_ids: bool = typer.Option(False, "--token-ids",
