@@ -176,8 +176,8 @@ async def test_a_bridge_starting_while_the_cluster_is_down_waits_for_it(tmp_path
         stream = stream_for_subject(topo, subject).name
         b = KvEventBatch(pod="p", model="m", epoch=3, seq=7, ts=1.0,
                          events=[BlockStored(block_hashes=[1], token_ids=[1, 2], block_size=2)])
+        await _info(js, stream)  # its leader elected first: a publish before it has no responder
         await bus.publish(js, subject, kv_binary.encode(b))
-        await _info(js, stream)
         cluster.stop_all()
         asking = asyncio.create_task(last_stored_position(js, stream, subject, wait_s=120))
         await asyncio.sleep(7)  # (longer than one request's 5 s timeout)
