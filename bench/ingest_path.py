@@ -556,11 +556,10 @@ def main() -> None:
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
               f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms; HTTP query while paced p50 {m['q_p50']:.2f} ms "
               f"p99 {m['q_p99']:.2f} ms (idle p50 {m['q_idle']:.2f} ms)")
-    for e in [x for x in med if x != "dynamo"]:
-        if "dynamo" in med:
-            d, b = med["dynamo"], med[e]
-            print(f"  {e} / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
-                  f"{b['all'] / d['all']:.2f}x")
+    for e in [x for x in med if x != "dynamo"] if "dynamo" in med else []:
+        d, b = med["dynamo"], med[e]
+        print(f"  {e} / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "
+              f"{b['all'] / d['all']:.2f}x")
     if "binary1" in med and "binary" in med:
         j, b = med["binary1"], med["binary"]
         print(f"  binary (grouped) / binary1: blocks/s {b['blocks_per_s'] / j['blocks_per_s']:.2f}x; CPU per block "

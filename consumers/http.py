@@ -33,10 +33,12 @@ from http import HTTPStatus
 from typing import Any
 
 import httptools
+import msgspec
 
 log = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_json_encode = msgspec.json.encode
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is refused (431)
 _date = [0, b""]
 _TIMEOUT_BODY = (b'{"error": {"message": "request not received within timeout", "type": "invalid_request_error", '
@@ -50,6 +52,20 @@ def _date_header() -> bytes:
     if now != _date[0]:
         _date[0], _date[1] = now, b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
     return _date[1]
+
+
+ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+               408: "request_timeout", 413: "body_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
+               500: "internal_error", 502: "upstream_error", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None) -> "Response":
+    """An OpenAI-shaped error answer (``{"error": {message, type, param, code}}``); ``code``
+    defaults to the status's entry in :data:`ERROR_CODES`."""
+    body = {"error": {"message": message, "type": type_, "param": param,
+                      "code": code or ERROR_CODES.get(status, str(status))}}
+    return Response(status, _json_encode(body), "application/json", headers)
 
 
 class HttpError(Exception):

@@ -19,20 +19,12 @@ from typing import Any
 
 import msgspec
 
-from consumers.http import HttpError, Request, Response, Server
+from consumers.http import HttpError, Request, Response, Server, error_response
 from consumers.index_api import QueryError, pods_body, record_route
 
 OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/metrics"})
 _JSON = "application/json"
-_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-          408: "request_timeout", 413: "body_too_large", 431: "headers_too_large"}
 _encode = msgspec.json.Encoder().encode
-
-
-def _error(status: int, message: str, code: str) -> Response:
-    """An OpenAI-shaped error answer."""
-    return Response(status, _encode({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                               "code": code}}), _JSON)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -50,19 +42,19 @@ def build_server(service: Any) -> Server:  # noqa: ANN401 - an IndexerService
         if keys and request.path not in OPEN_PATHS:
             auth = request.headers.get("authorization", "")
             if not auth.startswith("Bearer "):
-                return _error(401, "missing API key (Authorization: Bearer ...)", "invalid_api_key")
+                return error_response(401, "missing API key (Authorization: Bearer ...)")
             token = auth[7:].strip().encode()
             ok = False
             for k in keys:  # every key, each in constant time
                 ok |= hmac.compare_digest(token, k)
             if not ok:
-                return _error(401, "invalid API key", "invalid_api_key")
+                return error_response(401, "invalid API key")
         return await handler(request)
 
     async def on_error(request: Request | None, e: HttpError) -> Response:
         if e.status == 413:
-            return _error(413, f"request body larger than {cfg.max_body_bytes} bytes", "body_too_large")
-        return _error(e.status, e.message, _CODES.get(e.status, str(e.status)))
+            return error_response(413, f"request body larger than {cfg.max_body_bytes} bytes")
+        return error_response(e.status, e.message)
 
     async def query(request: Request) -> Response:
         status, out = service.query_json(request.body, "http")

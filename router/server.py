@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router import openapi
 from router.admission import Admission, Refused
 from router.config import RouterConfig
-from consumers.http import HttpError, Request, Response, Server, StreamResponse
+from consumers.http import ERROR_CODES, HttpError, Request, Response, Server, StreamResponse, error_response
 from router import lazy_prompt
 from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
@@ -73,9 +73,6 @@ _RESERVE_MAX_BLOCKS = 1 << 21
 _PASSTHROUGH = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/tokenize": "tokenize",
                 "/detokenize": "detokenize"}
 # OpenAI's error ``code`` is a string; these name the plain HTTP failures
-_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-          408: "request_timeout", 413: "body_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
-          500: "internal_error", 502: "upstream_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
@@ -84,12 +81,6 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
         self.headers = headers or {}
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code or _CODES.get(status, str(status))}}
-    return Response(status, _json_encode(body), _JSON, headers)
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -376,7 +367,7 @@ class RouterService:
             self.metrics.rejected.labels("body_size").inc()
             return error_response(413, f"request body larger than {self.cfg.max_body_bytes} bytes",
                                   code="body_too_large")
-        return error_response(e.status, e.message, code=_CODES.get(e.status, str(e.status)))
+        return error_response(e.status, e.message, code=ERROR_CODES.get(e.status, str(e.status)))
 
     def _authorize(self, request: Request, admin: bool) -> None:
         keys = [self._admin] if (admin and self._admin) else self._keys
@@ -1487,7 +1478,7 @@ def _openai_error_body(status: int, data: bytes) -> bytes:
            "type": err.get("type") if isinstance(err.get("type"), str) and err.get("type") else
            ("invalid_request_error" if status < 500 else "server_error"),
            "param": err.get("param") if isinstance(err.get("param"), str) else None,
-           "code": code if isinstance(code, str) and code else _CODES.get(status, str(status))}
+           "code": code if isinstance(code, str) and code else ERROR_CODES.get(status, str(status))}
     return _json_encode({"error": out})
 
 
