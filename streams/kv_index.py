@@ -67,7 +67,7 @@ from typing import NamedTuple
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from schemas.kv import MAX_EPOCH, MAX_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
+from schemas.kv import MAX_EPOCH, MAX_SEQ, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
 from streams import kv_core as core
 from streams.clock import Clock, ManualClock
 from streams.kv_keys import lora_seed
@@ -455,6 +455,7 @@ _STAT_FIELDS = ("blocks_stored", "blocks_removed", "unknown_parent", "unknown_pa
 
 # ------------------------------------------------------------------------------------ the fold
 
+_FEW_SLOTS = 128  # up to this many pod slots, a query's result is read off a plain list
 REUSE_S = 0.05  # match_counts gives its last answer again for the same keys within this long, unchanged
 LOST_GRACE_S = 1.0  # a pod's batches behind one its consumer refused wait this long for it, not the window
 
@@ -1180,22 +1181,27 @@ class KvIndex:
         out: dict[str, PodMatch] = {}
         if walked:
             by_slot = self._by_slot
-            slots = np.flatnonzero(matched).tolist()
-            ml = matched[slots].tolist()
+            n = self._next_slot
+            if n <= _FEW_SLOTS:  # scanning a short list beats numpy's nonzero + gather (~1 us a query)
+                hit = [(s, mb) for s, mb in enumerate(matched[:n].tolist()) if mb]
+            else:
+                nz = np.flatnonzero(matched)
+                hit = list(zip(nz.tolist(), matched[nz].tolist()))
             if not len(tiers):
                 tier_name = m.tiers[0]
                 weight = self.tier_weights.get(tier_name, 1.0)
                 shared: dict[int, PodMatch] = {}
-                for s, mb in zip(slots, ml):
+                for s, mb in hit:
                     pm = shared.get(mb)
                     if pm is None:
                         pm = shared[mb] = _new_match((mb, mb * weight, {tier_name: mb}, 0))
                     out[by_slot[s].name] = pm
-            else:
+            elif hit:
                 names = m.tiers
                 w = [self.tier_weights.get(t, 0.0) for t in names] + [self.predicted_weight]
                 T = len(names)
-                for s, mb, row in zip(slots, ml, tiers[slots].tolist()):  # row: blocks per tier, then predicted
+                rows = tiers[[s for s, _ in hit]].tolist()
+                for (s, mb), row in zip(hit, rows):  # row: blocks per tier, then predicted
                     td = {t: c for t, c in zip(names, row) if c}
                     out[by_slot[s].name] = _new_match((mb, sum(map(mul, row, w)), td, row[T]))
         if pods is not None:

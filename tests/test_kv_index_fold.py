@@ -991,3 +991,27 @@ def test_reserved_tables_take_the_engines_blocks_without_growing():
     for doc in docs:
         for cut in (50, 200, 400):
             assert matched(grown, doc[:cut]) == matched(reserved, doc[:cut])
+
+
+@pytest.mark.parametrize("pods", [20, 200])  # a query's result is read two ways: up to 128 pod slots, and past them
+@pytest.mark.parametrize("tiers", [False, True])
+def test_query_results_per_pod_equal_a_reference_at_any_pod_count(pods, tiers):
+    """Pod i holds the first i % 7 + 1 blocks of one chain (with ``tiers``: its last block only in
+    the CPU tier, on every third pod holding two or more); every pod's match, tiers and score equal
+    a plain reference."""
+    idx = KvIndex(ManualClock())
+    f = Feed(idx)
+    expect = {}
+    for i in range(pods):
+        n = i % 7 + 1
+        cpu = tiers and i % 3 == 0 and n > 1
+        f(f"p{i:03d}", stored(range(1, n + (not cpu)), range(1, n + (not cpu))))
+        if cpu:
+            f(f"p{i:03d}", stored([n], [n], parent=n - 1, medium="CPU"))
+        expect[f"p{i:03d}"] = (n, {"GPU": n - 1, "CPU": 1} if cpu else {"GPU": n}, (n - 1) + 0.8 if cpu else float(n))
+    got = idx.match_tokens("m", toks(*range(1, 9)))
+    assert {p: (m.matched_blocks, m.tiers, pytest.approx(m.score)) for p, m in got.items()} == expect
+    asked = ["p001", f"p{pods - 1:03d}", "nobody"]
+    got = idx.match_keys("m", block_keys(toks(1, 2), BS), pods=asked)
+    assert {p: m.matched_blocks for p, m in got.items()} == {"p001": 2, f"p{pods - 1:03d}": min(2, (pods - 1) % 7 + 1),
+                                                              "nobody": 0}
