@@ -20,7 +20,9 @@ indexer process (``IndexerService`` on uvloop, as ``infernex indexer`` runs it) 
 * paced: ``--rate`` frames/s in total for ``--seconds``, each frame stamped with its send time;
   lag = indexer apply time - that stamp, every batch recorded (p50 / p99 / max); meanwhile an HTTP
   query to the indexer every ``--query-every`` s (p50 / p99), and the same queries for 1.5 s with
-  nothing ingesting just before, for the client's and the HTTP stack's own share.
+  nothing ingesting just before, for the client's and the HTTP stack's own share; beside them the
+  indexer's own handling time per query while paced (the mean of its query histogram), so a slow
+  figure tells the indexer's work from the client, the loopback round trip and the wait for a core.
 """
 
 from __future__ import annotations
@@ -268,6 +270,7 @@ async def _metric(http, name: str) -> float:
 # ---------------------------------------------------------------- one run
 
 DYNAMO_APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
+QUERY_SECONDS = "infernex_indexer_query_seconds"
 
 
 async def _until_applied(count, want, done, timeout, cpu):
@@ -438,6 +441,7 @@ async def one_run(encoding: str, args) -> dict:
             idle_stop.set()
             it.join(10)
             q_stop, q_lat = threading.Event(), []
+            handled0 = [await _metric(http, f'{QUERY_SECONDS}_{k}{{via="http"}}') for k in ("sum", "count")]
             qt = threading.Thread(target=_query_loop, args=(f"http://127.0.0.1:{ix_port}", q_stop, q_lat, args),
                                   daemon=True)
             qt.start()
@@ -445,6 +449,10 @@ async def one_run(encoding: str, args) -> dict:
             sent = done.get(timeout=args.seconds * 3 + 60)
             q_stop.set()
             qt.join(10)
+            handled1 = [await _metric(http, f'{QUERY_SECONDS}_{k}{{via="http"}}') for k in ("sum", "count")]
+            if handled1[1] > handled0[1]:  # the indexer's own time per query (its histogram): the rest is the
+                # client, the loopback round trip and waiting for a core
+                res["query_handling_us"] = (handled1[0] - handled0[0]) / (handled1[1] - handled0[1]) * 1e6
             deadline = time.monotonic() + 30
             while await _metric(http, "infernex_indexer_batches_total") < base + sent and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -539,7 +547,8 @@ def main() -> None:
                   f"max {lag.get('max', float('nan')):.1f} ms; HTTP query p50 "
                   f"{res.get('query_ms', {}).get('p50', float('nan')):.2f} p99 "
                   f"{res.get('query_ms', {}).get('p99', float('nan')):.2f} ms (idle p50 "
-                  f"{res.get('query_idle_ms', {}).get('p50', float('nan')):.2f} ms)", flush=True)
+                  f"{res.get('query_idle_ms', {}).get('p50', float('nan')):.2f} ms; the indexer's own handling "
+                  f"{res.get('query_handling_us', float('nan')):.0f} us a query)", flush=True)
     print("\nmedians:")
     med = {}
     for e, rs in results.items():
@@ -551,11 +560,12 @@ def main() -> None:
         m["q_p50"] = statistics.median(r.get("query_ms", {}).get("p50", float("nan")) for r in rs)
         m["q_p99"] = statistics.median(r.get("query_ms", {}).get("p99", float("nan")) for r in rs)
         m["q_idle"] = statistics.median(r.get("query_idle_ms", {}).get("p50", float("nan")) for r in rs)
+        m["q_handling"] = statistics.median(r.get("query_handling_us", float("nan")) for r in rs)
         med[e] = m
         print(f"  {e:6s}: {m['blocks_per_s']:,.0f} blocks/s; CPU us/block all {m['all']:.2f} (bridges "
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
               f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms; HTTP query while paced p50 {m['q_p50']:.2f} ms "
-              f"p99 {m['q_p99']:.2f} ms (idle p50 {m['q_idle']:.2f} ms)")
+              f"p99 {m['q_p99']:.2f} ms (idle p50 {m['q_idle']:.2f} ms; handling {m['q_handling']:.0f} us)")
     for e in [x for x in med if x != "dynamo"] if "dynamo" in med else []:
         d, b = med["dynamo"], med[e]
         print(f"  {e} / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "

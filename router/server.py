@@ -108,7 +108,9 @@ class _Flow:
     exclude: set[str] = field(default_factory=set)
     retries: int = 0
     migrations: int = 0
-    text: str = ""
+    # the text generated so far, as the pieces the engine sent (joined when read: appending to one
+    # string copies all of it for every token, quadratic in a long answer)
+    pieces: list[str] = field(default_factory=list)
     out_tokens: int = 0
     first_token_t: float | None = None
     last_token_t: float | None = None
@@ -130,6 +132,14 @@ class _Flow:
     prefill_end_t: float | None = None
     recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)
     recomputes: int = 0
+
+    @property
+    def text(self) -> str:
+        """The text generated so far (read on a migration or a re-issue, not per token)."""
+        p = self.pieces
+        if len(p) > 1:
+            p[:] = ["".join(p)]
+        return p[0] if p else ""
 
 
 class RouterMetrics:
@@ -1235,7 +1245,7 @@ class RouterService:
                     if flow.first_token_t is None:
                         flow.first_token_t = now
                     flow.last_token_t = now
-                    flow.text += piece
+                    flow.pieces.append(piece)
                     flow.out_tokens += 1
             if not choices and usage is not None and not flow.wants_usage:
                 return False
@@ -1261,7 +1271,7 @@ class RouterService:
                     if flow.first_token_t is None:
                         flow.first_token_t = now
                     flow.last_token_t = now
-                    flow.text += piece
+                    flow.pieces.append(piece)
                     flow.out_tokens += 1
                 if any(v for v in delta.values()):
                     empty = False
@@ -1287,7 +1297,7 @@ class RouterService:
         piece = c.get("text")
         if piece is None:
             piece = (c.get("message") or {}).get("content") or ""
-        flow.text += piece
+        flow.pieces.append(piece)
         u = obj.get("usage") or {}
         flow.out_tokens += u.get("completion_tokens") or 0 if isinstance(u, dict) else 0
         if flow.first_token_t is None and piece:
