@@ -17,7 +17,6 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -31,8 +30,11 @@ from router.config import RouterConfig
 from consumers.http import ERROR_CODES, HttpError, Request, Response, Server, StreamResponse, error_response
 from router import lazy_prompt
 from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
-from router.pd_protocol import PdProtocol, PrefillPeer, stop_reason_recomputed
+from router.pd_protocol import PdProtocol, PrefillPeer
 from router.core import Router
+from router import flow as answer
+# (_Flow: the name bench/router_path.py's child imports from this module in every tree it compares)
+from router.flow import Flow as _Flow, sse_event as _sse_event
 from router.records import BackendCapture, RecordSink, decision_inputs, decision_json
 from router.resilience import RateLimiter, is_breaker_failure
 from router.state import ClusterState
@@ -85,61 +87,6 @@ class ApiError(Exception):
 
 def json_response(obj: Any, status: int = 200) -> Response:
     return Response(status, _json_encode(obj), _JSON)
-
-
-def _sse_event(obj: Any) -> bytes:
-    return b"data: " + _json_encode(obj) + b"\n\n"
-
-
-@dataclass(slots=True)
-class _Flow:
-    """Everything one request carries through retries, PD and migration."""
-
-    rid: str
-    kind: str  # chat | completions
-    path: str
-    body: dict[str, Any]
-    stream: bool
-    arrival: float
-    t0: float
-    rreq: RoutingRequest
-    raw: bytes | None = None  # the client's body, forwarded as is when unchanged
-    wants_usage: bool = False
-    exclude: set[str] = field(default_factory=set)
-    retries: int = 0
-    migrations: int = 0
-    # the text generated so far, as the pieces the engine sent (joined when read: appending to one
-    # string copies all of it for every token, quadratic in a long answer)
-    pieces: list[str] = field(default_factory=list)
-    out_tokens: int = 0
-    first_token_t: float | None = None
-    last_token_t: float | None = None
-    cached_tokens: int = 0
-    prompt_tokens_reported: int | None = None
-    pods: list[str] = field(default_factory=list)
-    prefill_pod: str | None = None
-    decode_pod: str | None = None
-    decision: Decision | None = None
-    captured: tuple | None = None  # (backends, now) the last decision read, for its record
-    keys: tuple[int, Any] | None = None  # (block size, the whole prompt's block keys: uint64 array), hashed once
-    status: str = "ok"
-    http_status: int = 200
-    error: str | None = None
-    done: bool = False
-    key: str = "-"  # the client (API key or address) for quotas and fairness
-    queue_s: float = 0.0  # time spent waiting for a backend slot
-    prefill_s: float | None = None  # PD: the prefill stage's time (its TTFT)
-    prefill_end_t: float | None = None
-    recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)
-    recomputes: int = 0
-
-    @property
-    def text(self) -> str:
-        """The text generated so far (read on a migration or a re-issue, not per token)."""
-        p = self.pieces
-        if len(p) > 1:
-            p[:] = ["".join(p)]
-        return p[0] if p else ""
 
 
 class RouterMetrics:
@@ -1136,11 +1083,11 @@ class RouterService:
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
                     data = _openai_error_body(up.status, data)
                 else:
-                    if self._recomputed_json(flow, data):
+                    if answer.recomputed_json(flow, data, retries_recomputed=self.pd.retries_recomputed):
                         return resp, "recomputed"
                     if flow.recomputes:
-                        data = self._merge_recomputed(flow, data)
-                    self._account_json(flow, data)
+                        data = answer.merge_recomputed(flow, data)
+                    answer.account_json(flow, data)
                 self.state.first_token(b, pending)
                 pending = 0
                 flow.done = True
@@ -1162,7 +1109,7 @@ class RouterService:
                         if i < 0:
                             break
                         ev, buf = buf[:i + 2], buf[i + 2:]
-                        keep = self._on_event(flow, ev)
+                        keep = answer.on_event(flow, ev, retries_recomputed=self.pd.retries_recomputed)
                         if keep is True:
                             out += ev
                         elif keep:
@@ -1204,146 +1151,6 @@ class RouterService:
         if key is not None:
             h["Authorization"] = key
         return h
-
-    def _on_event(self, flow: _Flow, ev: bytes) -> bool | bytes:
-        """Track one SSE event; False drops it (the usage chunk the client did not ask for), bytes
-        replace it. After a ``recomputed`` stop (vllm-ascend) all the decode says is dropped: the rest
-        comes from the re-issued request."""
-        if flow.recomputed:
-            return False
-        for line in ev.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                flow.done = True
-                return True
-            try:
-                obj = _json_decode(payload)
-            except msgspec.DecodeError:
-                return True
-            if not isinstance(obj, dict):
-                return True
-            usage = obj.get("usage")
-            if isinstance(usage, dict):
-                self._account_usage(flow, usage)
-            choices = obj.get("choices") or []
-            if choices and stop_reason_recomputed(choices[0]) and self.pd.retries_recomputed:
-                flow.recomputed = True
-                return False
-            if flow.migrations and flow.kind == "chat" and choices:
-                return self._strip_role(obj, choices, flow)
-            for c in choices:
-                if not isinstance(c, dict):
-                    continue
-                piece = c.get("text")
-                if piece is None:
-                    delta = c.get("delta") or {}
-                    piece = delta.get("content") if isinstance(delta, dict) else None
-                if piece:
-                    now = time.perf_counter()
-                    if flow.first_token_t is None:
-                        flow.first_token_t = now
-                    flow.last_token_t = now
-                    flow.pieces.append(piece)
-                    flow.out_tokens += 1
-            if not choices and usage is not None and not flow.wants_usage:
-                return False
-        return True
-
-    def _strip_role(self, obj: dict, choices: list, flow: _Flow) -> bool | bytes:
-        """A continuation's chunk after a migration: the client already had the ``role`` delta, so it
-        is removed (a chunk left with nothing is dropped); text is tracked as usual."""
-        changed = False
-        empty = True
-        for c in choices:
-            if not isinstance(c, dict):
-                empty = False
-                continue
-            delta = c.get("delta")
-            if isinstance(delta, dict):
-                if "role" in delta:
-                    del delta["role"]
-                    changed = True
-                piece = delta.get("content")
-                if piece and isinstance(piece, str):
-                    now = time.perf_counter()
-                    if flow.first_token_t is None:
-                        flow.first_token_t = now
-                    flow.last_token_t = now
-                    flow.pieces.append(piece)
-                    flow.out_tokens += 1
-                if any(v for v in delta.values()):
-                    empty = False
-            if c.get("finish_reason") or c.get("logprobs"):
-                empty = False
-        if not changed:
-            return True
-        if empty and not obj.get("usage"):
-            return False
-        return _sse_event(obj)
-
-    def _recomputed_json(self, flow: _Flow, data: bytes) -> bool:
-        """A non-streamed decode answer that stopped ``recomputed``: keep its text for the re-issue."""
-        if not self.pd.retries_recomputed or b"recomputed" not in data:
-            return False
-        try:
-            obj = _json_decode(data)
-            c = obj["choices"][0]
-        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
-            return False
-        if not stop_reason_recomputed(c):
-            return False
-        piece = c.get("text")
-        if piece is None:
-            piece = (c.get("message") or {}).get("content") or ""
-        flow.pieces.append(piece)
-        u = obj.get("usage") or {}
-        flow.out_tokens += u.get("completion_tokens") or 0 if isinstance(u, dict) else 0
-        if flow.first_token_t is None and piece:
-            flow.first_token_t = time.perf_counter()
-        return True
-
-    def _merge_recomputed(self, flow: _Flow, data: bytes) -> bytes:
-        """The final answer of a re-issued request: the text before the recompute put back in front."""
-        try:
-            obj = _json_decode(data)
-            c = obj["choices"][0]
-        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
-            return data
-        if isinstance(c.get("text"), str):
-            c["text"] = flow.text + c["text"]
-        elif isinstance(c.get("message"), dict):
-            c["message"]["content"] = flow.text + (c["message"].get("content") or "")
-        u = obj.get("usage")
-        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
-            u["completion_tokens"] += flow.out_tokens
-            u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
-        return _json_encode(obj)
-
-    def _account_usage(self, flow: _Flow, usage: dict) -> None:
-        pt = usage.get("prompt_tokens")
-        if isinstance(pt, int):
-            flow.prompt_tokens_reported = pt
-        det = usage.get("prompt_tokens_details")
-        if isinstance(det, dict) and isinstance(det.get("cached_tokens"), int):
-            flow.cached_tokens = det["cached_tokens"]
-        ct = usage.get("completion_tokens")
-        if isinstance(ct, int) and flow.migrations == 0 and flow.recomputes == 0:
-            flow.out_tokens = max(flow.out_tokens, ct)
-
-    def _account_json(self, flow: _Flow, data: bytes) -> None:
-        now = time.perf_counter()
-        flow.first_token_t = flow.last_token_t = now
-        try:
-            obj = _json_decode(data)
-        except msgspec.DecodeError:
-            return
-        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            self._account_usage(flow, obj["usage"])
-            ct = obj["usage"].get("completion_tokens")
-            if isinstance(ct, int):
-                flow.out_tokens = ct
 
     def _continuation(self, flow: _Flow) -> dict[str, Any] | None:
         """The request re-issued elsewhere: the text so far appended, ``max_tokens`` reduced."""

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from router.config import RouterConfig, StaticBackend
-from router.server import RouterService, _Flow
+from router.flow import Flow
+from router.server import RouterService
 from schemas import BlockStored, KvEventBatch
 from simulator.tokenizer import HFTokenizer, SimpleTokenizer
 from streams.clock import SystemClock
@@ -53,7 +54,7 @@ def hold(index: KvIndex, pod: str, ids: list[int], blocks: int, seq: int = 0) ->
 def route(svc: RouterService, prompt: str, i: int):
     body = {"model": "m", "prompt": prompt, "max_tokens": 2}
     rreq = svc._routing_request("completions", body, f"r{i}", len(prompt))
-    flow = _Flow(rid=f"r{i}", kind="completions", path="/v1/completions", body=body, stream=False,
+    flow = Flow(rid=f"r{i}", kind="completions", path="/v1/completions", body=body, stream=False,
                  arrival=0.0, t0=0.0, rreq=rreq)
     d = svc._decide(rreq, flow)
     svc._note_route(flow, d)

@@ -7,7 +7,7 @@ SEND`` and a response body mode other than ``NONE``; GIE's gateways send both in
 ``FULL_DUPLEX_STREAMED``). Without the response there is nothing true to record: the request is
 counted (``infernex_router_epp_unobserved_total``) and no record is written.
 
-The SSE events are read with the router's own event accounting (:meth:`RouterService._on_event`),
+The SSE events are read with the router's own event accounting (:func:`router.flow.on_event`),
 and the record is built by :meth:`RouterService._finish`, so both paths measure the same way.
 """
 
@@ -16,12 +16,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from router import flow as answer
 from router.epp import protocol as P
 
 if TYPE_CHECKING:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from router.server import RouterService, _Flow
+    from router.flow import Flow
+    from router.server import RouterService
 
 #: at most this much of a non-streamed answer is kept to read its ``usage`` (an answer is JSON with
 #: the usage at its end; longer answers are counted by time only)
@@ -33,7 +35,7 @@ class ResponseWatch:
 
     __slots__ = ("svc", "flow", "seen", "ended", "_buf", "_sse", "_json", "_overflow")
 
-    def __init__(self, svc: RouterService, flow: _Flow):
+    def __init__(self, svc: RouterService, flow: Flow):
         self.svc = svc
         self.flow = flow
         self.seen = False  # response headers arrived
@@ -73,7 +75,7 @@ class ResponseWatch:
                         break
                     ev = bytes(self._buf[:i])
                     del self._buf[:i + 2]
-                    self.svc._on_event(f, ev)
+                    answer.on_event(f, ev, retries_recomputed=self.svc.pd.retries_recomputed)
             elif not self._overflow:
                 if len(self._json) + len(chunk) > JSON_KEEP:
                     self._overflow = True
@@ -83,11 +85,11 @@ class ResponseWatch:
         if end:
             self.ended = True
             if self._sse and self._buf and f.status == "ok":
-                self.svc._on_event(f, bytes(self._buf))
+                answer.on_event(f, bytes(self._buf), retries_recomputed=self.svc.pd.retries_recomputed)
                 self._buf.clear()
             if not self._sse and f.status == "ok":
                 if self._json and not self._overflow:
-                    self.svc._account_json(f, bytes(self._json))
+                    answer.account_json(f, bytes(self._json))
                 else:
                     f.first_token_t = f.last_token_t = time.perf_counter()
 

@@ -40,7 +40,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp import protocol as P
 from router.epp.observe import ResponseWatch
-from router.server import ApiError, _Flow
+from router.flow import Flow
+from router.server import ApiError
 from router.types import BackendState, Decision
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         svc._m_decision.observe(time.perf_counter() - t)
         flow = None
         if svc.records is not None:
-            flow = _Flow(rid=rid or f"epp-{self.picks}-{time.time_ns()}", kind=kind, path=path, body=body,
+            flow = Flow(rid=rid or f"epp-{self.picks}-{time.time_ns()}", kind=kind, path=path, body=body,
                          stream=bool(body.get("stream")), arrival=r.arrival or time.time(), t0=r.t0 or t, rreq=rreq)
             flow.decision = d
             flow.captured = (svc._capture(cands, st.epoch if r.subset is None else None), now)
