@@ -206,6 +206,12 @@ async def while_unanswered(call: Callable[[], Awaitable], what: str, deadline_s:
             delay = min(delay * 2, 4.0)
 
 
+#: what a JetStream publish may meet while the bus comes back (nats-py turns "no responders" to a
+#: publish into NoStreamResponseError, not a NoRespondersError)
+_TRANSIENT = (NatsTimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+              nats.js.errors.NoStreamResponseError)
+
+
 async def publish(
     js: JetStreamContext,
     subject: str,
@@ -219,7 +225,9 @@ async def publish(
     """Publish to JetStream and wait for the ack; retry with the same ``Nats-Msg-Id``.
 
     Because the id is reused on retry, a retry after a lost ack never stores the
-    event twice (within the stream's duplicate window).
+    event twice (within the stream's duplicate window). No stream answering (nats-py's
+    ``NoStreamResponseError``: a stream electing its leader, a cluster restarting, the topology
+    not applied yet) is retried too, and raised once the retries are spent.
     """
     hdrs = dict(headers or {})
     if msg_id is not None:
@@ -228,7 +236,7 @@ async def publish(
     for attempt in range(retries + 1):
         try:
             return await js.publish(subject, data, timeout=timeout, headers=hdrs or None)
-        except (NatsTimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as exc:
+        except _TRANSIENT as exc:
             if attempt == retries:
                 raise
             log.warning("publish to %s failed (%s); retry %d", subject, type(exc).__name__, attempt + 1)

@@ -166,3 +166,27 @@ async def test_a_stream_at_its_share_drops_its_oldest_and_keeps_taking_writes(nc
     finally:
         for spec in specs:
             await js.delete_stream(spec.name)
+
+
+async def test_a_publish_waits_for_a_stream_that_is_not_answering_yet(nc, prefix):
+    """No stream answering a subject (a leader being elected, a cluster restarting, the topology not
+    applied yet) is retried like a timeout: the publish lands once the stream is there, stored once;
+    with no stream at all it fails after its retries with nats-py's own error."""
+    import nats.js.errors
+
+    js = nc.jetstream()
+    subject = f"{prefix}.late.x"
+    name = f"{prefix.upper()}_LATE"
+    task = asyncio.create_task(bus.publish(js, subject, b"first", msg_id="m-1", retries=6))
+    await asyncio.sleep(0.3)  # the first attempts find no stream
+    assert not task.done()
+    await js.add_stream(name=name, subjects=[f"{prefix}.late.>"])
+    try:
+        ack = await asyncio.wait_for(task, 10)
+        assert ack.stream == name and ack.seq == 1
+        info = await js.stream_info(name)
+        assert info.state.messages == 1
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await bus.publish(js, f"{prefix}.nowhere", b"x", retries=2)
+    finally:
+        await js.delete_stream(name)
