@@ -19,7 +19,10 @@ pieces (:class:`simulator.piece_memo.PiecePlan`) and tokenized from the front:
    the text up to each piece) with the engine the request went to, for the route predictions'
    time to live. A later prompt with the same text there tokenizes it (1) and counts those blocks
    as predicted on that engine, as if the first request had tokenized them: a burst of requests
-   sharing a new document still goes to one engine.
+   sharing a new document still goes to one engine. A route ends :data:`SETTLE_S` after its
+   request does (:meth:`PieceRoutes.settle`): the engine has computed the text by then, its KV
+   events say what it holds, and a route kept for its whole time to live would count blocks the
+   engine has evicted since as predicted there again.
 
 Each engine's match on the blocks its KV events reported is then exactly what the whole
 prompt's tokens would give: it ends inside the tokenized part, or the whole prompt was
@@ -38,6 +41,9 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 MAX_PIECE_ROUTES = 1 << 18  # remembered pieces (least recently added first out): ~40 MB at most
+#: how long a route stands after its request ended: the engine's last KV events on their way to the
+#: index (bench/ingest_path.py measures a lag p99 of 5-20 ms from the engine's socket to the index)
+SETTLE_S = 2.0
 
 
 class PieceRoutes:
@@ -60,6 +66,16 @@ class PieceRoutes:
             d[k] = (pod, exp)
         while len(d) > self.max_entries:
             d.popitem(last=False)
+
+    def settle(self, model: str, chains: Sequence[int], pod: str, until: float) -> None:
+        """The request that sent this text to ``pod`` is over: its routes there end at ``until``
+        (a route of the same text to another engine since is left alone)."""
+        d = self._d
+        for c in chains:
+            k = (model, c)
+            v = d.get(k)
+            if v is not None and v[0] == pod and v[1] > until:
+                d[k] = (pod, until)  # (an existing key keeps its place in the order)
 
     def get(self, model: str, chain: int, now: float) -> str | None:
         v = self._d.get((model, chain))

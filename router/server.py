@@ -15,7 +15,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -991,6 +991,18 @@ class RouterService:
         except (KeyError, ValueError, TypeError):
             pass
 
+    def settle_routes(self, rreq: RoutingRequest | None, pods: Sequence[str]) -> None:
+        """The request is over on ``pods``: its untokenized text's routes there end shortly
+        (:meth:`router.lazy_prompt.PieceRoutes.settle`), and from then on the engines' KV events alone
+        say what they hold of it."""
+        tail = rreq.piece_tail if rreq is not None else None
+        if not tail:
+            return
+        model = rreq.index_model or rreq.model
+        until = time.monotonic() + lazy_prompt.SETTLE_S
+        for pod in pods:
+            self.piece_routes.settle(model, tail, pod, until)
+
     def request_keys(self, rreq: RoutingRequest, block_size: int | None) -> Any:
         """The prompt's block keys at ``block_size`` (``uint64``), hashed once and kept on ``rreq``."""
         ids = rreq.token_ids
@@ -1223,6 +1235,7 @@ class RouterService:
 
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0
+        self.settle_routes(flow.rreq, flow.pods)
         name = self.router.name
         c = self._m_requests.get(flow.status)
         if c is None:

@@ -112,6 +112,50 @@ def test_a_burst_sharing_a_new_document_goes_to_one_engine_as_with_whole_prompts
         assert of - piece_blocks <= ol <= of  # the document as predicted, short of at most its last piece
 
 
+def test_an_engine_that_evicted_routed_text_is_not_predicted_to_hold_it_again(monkeypatch):
+    """Ground truth after an eviction: the first request's document went to its engine mostly
+    untokenized (a piece route); the engine computed it (its KV events) and, after the request
+    ended, evicted all but its first blocks. A later prompt with the same document must read what
+    that engine holds now, not the whole document as predicted from the old route."""
+    import router.lazy_prompt as lp
+    from schemas import BlockRemoved
+
+    monkeypatch.setattr(lp, "SETTLE_S", 0.0)  # (the engine's events are applied here before the route ends)
+    rnd = random.Random(11)
+    tok = HFTokenizer(FIXTURE)
+    doc = text(rnd, 8000)
+    p1, p2 = (doc + " Question: " + text(rnd, 1500) for _ in range(2))
+    for evict in (False, True):
+        svc = service()
+        index = svc.index
+        body = {"model": "m", "prompt": p1, "max_tokens": 2}
+        rreq = svc._routing_request("completions", body, "r1", len(p1))
+        flow = Flow(rid="r1", kind="completions", path="/v1/completions", body=body, stream=False,
+                    arrival=0.0, t0=0.0, rreq=rreq)
+        d = svc._decide(rreq, flow)
+        pod = d.target.pod
+        svc._note_route(flow, d)
+        assert rreq.piece_tail  # the document mostly untokenized: remembered as routed there
+        ids = tok.encode(p1, add_special_tokens=True)
+        n = len(ids) // BS
+        hold(index, pod, ids, n)  # the engine computed the whole prompt
+        svc._finish(flow)  # the request is over
+        kept = 3
+        if evict:
+            hashes = [hash((pod, i, tuple(ids[:(i + 1) * BS]))) & (2**63 - 1) or 1 for i in range(kept, n)]
+            index.apply(KvEventBatch(pod=pod, model="m", seq=1, ts=time.time(),
+                                     events=[BlockRemoved(block_hashes=hashes)]))
+        whole = block_key_array(np.array(tok.encode(p2, add_special_tokens=True), dtype=np.uint32), BS)
+        truth = index.match_counts("m", whole)[0].get(pod, 0)  # what the engine's events say it holds of p2
+        _, d2 = route(svc, p2, 2)
+        seen = d2.stages[0].overlap.get(pod, 0)
+        if evict:  # exactly what it kept, nothing predicted from the old route
+            assert seen == truth == kept and not d2.stages[0].predicted.get(pod)
+        else:  # the document it still holds, read up to a memo piece short (as while the route stood)
+            doc_blocks = len(tok.encode(doc, add_special_tokens=True)) // BS
+            assert truth >= doc_blocks - 1 and truth - (600 // 3 // BS + 1) <= seen <= truth
+
+
 def test_off_tokenizes_whole_prompts():
     rnd = random.Random(3)
     tok = HFTokenizer(FIXTURE)
@@ -229,3 +273,17 @@ def test_text_routed_to_an_engine_that_reported_it_is_not_predicted_again():
     hashes = [hash((pod, i, tuple(ids[:(i + 1) * BS]))) & (2**63 - 1) or 1 for i in range(held)]
     svc.index.apply(KvEventBatch(pod=pod, model="m", seq=1, ts=time.time(), events=[BlockRemoved(block_hashes=hashes)]))
     assert (svc.index.match_tokens("m", ids).get(pod) or (0,))[0] == 0
+
+
+def test_a_settled_route_ends_on_its_engine_only():
+    from router.lazy_prompt import PieceRoutes
+
+    r = PieceRoutes(ttl_s=30.0)
+    r.add("m", [1, 2, 3], "a", now=0.0)
+    r.add("m", [3], "b", now=1.0)  # the same text sent to another engine since
+    r.settle("m", [1, 2, 3], "a", until=5.0)
+    assert [r.get("m", c, 4.0) for c in (1, 2, 3)] == ["a", "a", "b"]
+    assert r.get("m", 1, 5.0) is None and r.get("m", 3, 5.0) == "b"  # b's route keeps its time to live
+    r.add("m", [4], "a", now=0.0)
+    r.settle("m", [4], "a", until=40.0)  # never later than the route's own expiry
+    assert r.get("m", 4, 31.0) is None

@@ -42,7 +42,7 @@ from router.epp import protocol as P
 from router.epp.observe import ResponseWatch
 from router.flow import Flow
 from router.server import ApiError
-from router.types import BackendState, Decision
+from router.types import BackendState, Decision, RoutingRequest
 
 if TYPE_CHECKING:
     from router.server import RouterService
@@ -66,6 +66,7 @@ class _Req:
     t0: float = 0.0  # perf_counter when the headers arrived
     arrival: float = 0.0  # wall time of the same
     watch: ResponseWatch | None = None
+    rreq: RoutingRequest | None = None  # the picked request (its text's routes end with it)
 
 
 class _Reject(Exception):
@@ -182,6 +183,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         svc._pick(target.pod, "decode" if svc.router.strategy.pd else "aggregated")
         # as the HTTP router: the prompt counts as predicted on its engine until the engine's events come
         svc.predict_route(rreq, d, lambda bs: svc.request_keys(rreq, bs))
+        r.rreq = rreq
         self.picks += 1
         eps = [self.endpoint(target), *self._fallbacks(d)]
         return P.routing_mutation(eps, self.endpoint(d.prefill) if d.prefill is not None else None)
@@ -217,6 +219,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     def _release(self, r: _Req) -> None:
         for b, n, pre in r.picked:
             self.svc._finished(b, n, pre)
+        if r.picked:
+            self.svc.settle_routes(r.rreq, [b.pod for b, _, _ in r.picked])
         r.picked.clear()
         w, r.watch = r.watch, None
         if w is not None and not w.finish():
