@@ -42,6 +42,13 @@ class Msg(msgspec.Struct, array_like=True):
 
 async def dump_stream(js, stream: str, path: Path) -> int:
     """Every message of ``stream`` (from its first) to ``path``; how many."""
+    out = await read_stream(js, stream)
+    path.write_bytes(msgspec.msgpack.encode(out))
+    return len(out)
+
+
+async def read_stream(js, stream: str) -> list[Msg]:
+    """Every message of ``stream``, from its first."""
     info = await js.stream_info(stream)
     last = info.state.last_seq
     out: list[Msg] = []
@@ -55,8 +62,7 @@ async def dump_stream(js, stream: str, path: Path) -> int:
                     break
         finally:
             await sub.unsubscribe()
-    path.write_bytes(msgspec.msgpack.encode(out))
-    return len(out)
+    return out
 
 
 def load(path: Path) -> list[Msg]:

@@ -330,6 +330,7 @@ async def main_async(args) -> None:
     ctl = httpx.AsyncClient(timeout=10)  # the bench's own calls to the engines (reset, counters)
     nc = None
     results: dict[str, list[dict]] = {r: [] for r in routers}
+    served: dict[str, list[tuple[str | None, int, int]]] = {}  # our routers: (request id, cached, prompt tokens)
     hogs: list[subprocess.Popen] = []
     try:
         server.start()
@@ -472,6 +473,9 @@ async def main_async(args) -> None:
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
                 results[name].append(row)
+                if ours:  # for the router's view of the engines' caches against their reports (at the end)
+                    served.setdefault(name, []).extend(
+                        (r.request_id, r.cached_tokens or 0, r.prompt_tokens) for r in res.requests if r.status == "ok")
                 if args.out is not None:  # every request of the run, for a closer look
                     with open(args.out, "a") as f:
                         for r in res.requests:
@@ -497,6 +501,8 @@ async def main_async(args) -> None:
             dec_stream = stream_for_subject(topo, S.router_decisions("default")).name
             n = await dump_stream(js, dec_stream, args.keep_decisions)
             print(f"{n} decision records written to {args.keep_decisions}")
+        if served:
+            await _print_views(js, stream_for_subject(topo, S.router_decisions("default")).name, served)
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
 
@@ -533,6 +539,38 @@ async def main_async(args) -> None:
                 stop_engine_procs(engine_procs)
                 server.stop()
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _print_views(js, dec_stream: str, served: dict[str, list[tuple[str | None, int, int]]]) -> None:
+    """Per router of ours, what each decision read of the engine it picked (the blocks its index held
+    or predicted there: the decision record's overlap) against what that engine then reported cached
+    for the request (``usage.prompt_tokens_details.cached_tokens``): tokens seen but not there
+    (a prediction or an eviction the index missed) and there but not seen."""
+    from bench.router_feed import read_stream
+
+    decisions = {}
+    for m in await read_stream(js, dec_stream):
+        d = json.loads(m.data)
+        if d.get("stage") == "aggregated" and d.get("picked"):
+            decisions[d["request_id"]] = d
+    print("the router's view of the picked engine's cache against the engine's own report (all rounds):")
+    for name, rows in served.items():
+        n = seen = cached = phantom = missed = 0
+        for rid, got, prompt in rows:
+            d = decisions.get(rid)
+            if d is None:
+                continue
+            bs = (d.get("inputs") or {}).get("block_size") or 0
+            ov = next((c["overlap_blocks"] for c in d["candidates"] if c["pod"] == d["picked"]), 0) * bs
+            ov = min(ov, max(prompt - 1, 0))  # (an engine reuses at most all but the prompt's last token)
+            n += 1
+            seen += ov
+            cached += got
+            phantom += max(0, ov - got)
+            missed += max(0, got - ov)
+        if n:
+            print(f"  {name:<22} {n} requests: seen cached {seen:,} tokens, engines reported {cached:,}; "
+                  f"seen but not there {phantom:,} ({phantom / max(seen, 1):.1%}), there but not seen {missed:,}")
 
 
 def main() -> None:
