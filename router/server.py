@@ -1003,6 +1003,20 @@ class RouterService:
         for pod in pods:
             self.piece_routes.settle(model, tail, pod, until)
 
+    def _forget_route(self, flow: _Flow, pod: str) -> None:
+        """``flow`` left ``pod`` before its prefill ran there (failed, timed out, cancelled): the
+        blocks predicted there for it end now instead of counting for their time to live."""
+        forget = getattr(self.index, "forget_route", None) if self.router.strategy.approximate else None
+        if forget is None or flow.rreq.token_ids is None:
+            return
+        model = flow.rreq.index_model or flow.rreq.model
+        try:
+            keys = self._prompt_keys(flow, self.index.block_size(model))
+            if keys is not None and len(keys):
+                forget(model, pod, keys)
+        except (KeyError, ValueError, TypeError):
+            pass
+
     def request_keys(self, rreq: RoutingRequest, block_size: int | None) -> Any:
         """The prompt's block keys at ``block_size`` (``uint64``), hashed once and kept on ``rreq``."""
         ids = rreq.token_ids
@@ -1054,6 +1068,7 @@ class RouterService:
             return kvp
         except (*_UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as e:
             log.warning("prefill on %s failed for %s: %s", pb.pod, flow.rid, type(e).__name__)
+            self._forget_route(flow, pb.pod)
             if is_breaker_failure(e):
                 self.state.breakers.failure(pb.pod)
             flow.exclude.add(pb.pod)
@@ -1091,7 +1106,7 @@ class RouterService:
                     return resp, None
                 self.state.breakers.success(b.pod)
                 flow.http_status = up.status
-                if up.status >= 400:
+                if up.status >= 400:  # refused: no prefill ran (`pending` is left for the finally block)
                     flow.status, flow.error = "error", _upstream_message(data)[:500]
                     data = _openai_error_body(up.status, data)
                 else:
@@ -1100,8 +1115,8 @@ class RouterService:
                     if flow.recomputes:
                         data = answer.merge_recomputed(flow, data)
                     answer.account_json(flow, data)
-                self.state.first_token(b, pending)
-                pending = 0
+                    self.state.first_token(b, pending)
+                    pending = 0
                 flow.done = True
                 return Response(up.status, data, _JSON if up.status >= 400 else up.headers.get("content-type", _JSON),
                                 {"X-Request-Id": flow.rid, _BACKEND_HEADER: b.pod}), None
@@ -1152,6 +1167,8 @@ class RouterService:
                 else:
                     up.close()  # closes the connection: the engine sees the cancel
             self._finished(b, flow.rreq.prompt_tokens, pending)
+            if pending:  # no first token from it: what was predicted there for this prompt may never come
+                self._forget_route(flow, b.pod)
 
     def _headers(self, flow: _Flow, b: BackendState | None = None) -> dict[str, str]:
         h = {"X-Request-Id": flow.rid, "Content-Type": "application/json"}

@@ -992,6 +992,21 @@ class KvIndex:
         self._pred_n += 1
         heapq.heappush(self._pred_heap, (exp, self._pred_n, pod, model, karr))
 
+    def forget_route(self, model: str, pod: str, keys: Sequence[int]) -> int:
+        """A request routed to ``pod`` with these blocks left it before its prefill ran there (it
+        failed, timed out or was cancelled): their predictions on ``pod`` end now, where they would
+        have counted for their whole time to live; what the engine's events reported stays. Returns
+        how many predictions ended."""
+        p = self._pods.get(pod)
+        m = self._models.get(model)
+        if p is None or m is None or model not in p.pred_models:
+            return 0
+        karr = _as_key_array(keys)
+        if not len(karr):
+            return 0
+        self._version += 1
+        return int(core.pred_expire(m.pk, m.pe, m.pef, m.psz, m.W, p.slot, karr, self.clock.now(), True))
+
     def _expire(self, now: float) -> None:
         heap = self._pred_heap
         if heap and heap[0][0] <= now:

@@ -208,6 +208,24 @@ def test_predictions_merge_and_expire():
     assert idx.pods()["x"].predicted_blocks == 0
 
 
+def test_a_forgotten_route_ends_its_predictions_on_that_pod_only():
+    from streams.kv_index import block_keys
+
+    clock = ManualClock()
+    idx = KvIndex(clock, predicted_ttl_s=120, predict_on_route_ttl_s=30)
+    f = Feed(idx)
+    f("a", stored([1], [1]))  # the engine reported the first block
+    idx.record_route("m", "a", toks(1, 2, 3))
+    idx.record_route("m", "b", toks(1, 2, 3))
+    assert matched(idx, [1, 2, 3]) == {"a": 3, "b": 3}
+    keys = block_keys(toks(1, 2, 3), BS)
+    assert idx.forget_route("m", "a", keys) == 3  # the route's three (record_route predicts a held block too)
+    assert matched(idx, [1, 2, 3]) == {"a": 1, "b": 3}  # what a's events said stays; b's prediction too
+    assert idx.forget_route("m", "a", keys) == 0 and idx.forget_route("m", "nobody", keys) == 0
+    clock.advance(200)  # (the route's own expiry later finds nothing left to drop)
+    assert matched(idx, [1, 2, 3]) == {"a": 1}
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from("xy"), st.integers(1, 6), st.sampled_from([1.0, 5.0, 30.0]),
                           st.sampled_from([0.0, 0.5, 2.0, 7.0])), min_size=1, max_size=30))

@@ -410,6 +410,33 @@ async def test_routes_predict_only_the_blocks_the_engine_has_not_reported():
         await eng.stop()
 
 
+@pytest.mark.parametrize("status", [503, 400])
+async def test_a_request_an_engine_refused_leaves_no_predicted_blocks_there(status):
+    """Ground truth for a failed route: the engine answered an error, so it computed nothing of the
+    prompt; the blocks predicted there when the request was routed end with it, and the next
+    request with that prompt reads the engine as holding none of it (they counted 30 s before)."""
+    from router.app import RouterApp
+    from simulator.tokenizer import SimpleTokenizer, request_to_ids
+
+    eng = await FakeEngine("a", status=status).start()
+    app = RouterApp(RouterConfig(strategy="kv-aware", backends=[StaticBackend(pod="a", url=eng.url, model="m")],
+                                 bus=False, records=False, tokenizer="simple", max_retries=0))
+    url = await app.start("127.0.0.1", 0)
+    try:
+        body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(100)), "max_tokens": 1}
+        ids = request_to_ids(SimpleTokenizer(), "completions", body)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status >= 400
+        assert len(eng.requests) >= 1  # it reached the engine, which refused it
+        ix = app.index
+        assert ix.pods()["a"].predicted_blocks == 0
+        assert ix.match_tokens("m", ids).get("a") is None or ix.match_tokens("m", ids)["a"].matched_blocks == 0
+    finally:
+        await app.stop(drain=False)
+        await eng.stop()
+
+
 def test_route_predictions_outlive_the_engines_queue_on_pods_that_send_events():
     """An engine's KV events come only once the prefill ran, which under load is seconds after the
     route: a routed prompt counts as predicted on its pod for ``route_prediction_ttl_s`` (30 s by
