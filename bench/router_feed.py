@@ -42,9 +42,13 @@ class Msg(msgspec.Struct, array_like=True):
 
 async def dump_stream(js, stream: str, path: Path) -> int:
     """Every message of ``stream`` (from its first) to ``path``; how many."""
-    out = await read_stream(js, stream)
-    path.write_bytes(msgspec.msgpack.encode(out))
-    return len(out)
+    return save(path, await read_stream(js, stream))
+
+
+def save(path: Path, msgs: list[Msg]) -> int:
+    """``msgs`` to ``path`` (:func:`load` reads them back); how many."""
+    path.write_bytes(msgspec.msgpack.encode(msgs))
+    return len(msgs)
 
 
 async def read_stream(js, stream: str) -> list[Msg]:

@@ -495,14 +495,13 @@ async def main_async(args) -> None:
                     print(f"    not valid as a routing comparison: the simulated engines sent their outputs {late * 1e3:.1f} ms "
                           f"after their model on average, {late / row['ttft50']:.0%} of TTFT p50 (this machine's CPU set "
                           f"those latencies, not the model)")
-        if args.keep_decisions is not None:  # our routers' decision records (each with what it read)
-            from bench.router_feed import dump_stream
+        if args.keep_decisions is not None or served:  # our routers' decision records (each with what it read)
+            from bench.router_feed import read_stream, save
 
-            dec_stream = stream_for_subject(topo, S.router_decisions("default")).name
-            n = await dump_stream(js, dec_stream, args.keep_decisions)
-            print(f"{n} decision records written to {args.keep_decisions}")
-        if served:
-            await _print_views(js, stream_for_subject(topo, S.router_decisions("default")).name, served)
+            decisions = await read_stream(js, stream_for_subject(topo, S.router_decisions("default")).name)
+            if args.keep_decisions is not None:
+                print(f"{save(args.keep_decisions, decisions)} decision records written to {args.keep_decisions}")
+            _print_views(decisions, served)
         if args.keep_kv is not None:
             from bench.router_feed import dump_stream
 
@@ -541,15 +540,13 @@ async def main_async(args) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def _print_views(js, dec_stream: str, served: dict[str, list[tuple[str | None, int, int]]]) -> None:
+def _print_views(records, served: dict[str, list[tuple[str | None, int, int]]]) -> None:
     """Per router of ours, what each decision read of the engine it picked (the blocks its index held
     or predicted there: the decision record's overlap) against what that engine then reported cached
     for the request (``usage.prompt_tokens_details.cached_tokens``): tokens seen but not there
     (a prediction or an eviction the index missed) and there but not seen."""
-    from bench.router_feed import read_stream
-
     decisions = {}
-    for m in await read_stream(js, dec_stream):
+    for m in records:
         d = json.loads(m.data)
         if d.get("stage") == "aggregated" and d.get("picked"):
             decisions[d["request_id"]] = d
