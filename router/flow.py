@@ -57,6 +57,7 @@ class Flow:
     first_token_t: float | None = None
     last_token_t: float | None = None
     cached_tokens: int = 0
+    cached_reported: bool = False  # the engine's usage carried prompt_tokens_details.cached_tokens
     prompt_tokens_reported: int | None = None
     pods: list[str] = field(default_factory=list)
     prefill_pod: str | None = None
@@ -114,14 +115,17 @@ def on_event(flow: Flow, ev: bytes, *, retries_recomputed: bool = False) -> bool
         if not isinstance(obj, dict):
             return True
         usage = obj.get("usage")
-        if isinstance(usage, dict):
-            account_usage(flow, usage)
         choices = obj.get("choices") or []
         if choices and retries_recomputed and stop_reason_recomputed(choices[0]):
             flow.recomputed = True
             return False
+        # the chunk's tokens first, then its usage: with continuous_usage_stats every chunk carries
+        # usage, whose completion_tokens already counts the chunk's own token
         if flow.migrations and flow.kind == "chat" and choices:
-            return strip_role(obj, choices, flow)
+            kept = strip_role(obj, choices, flow)
+            if isinstance(usage, dict):
+                account_usage(flow, usage)
+            return kept
         for c in choices:
             if not isinstance(c, dict):
                 continue
@@ -131,6 +135,8 @@ def on_event(flow: Flow, ev: bytes, *, retries_recomputed: bool = False) -> bool
                 piece = delta.get("content") if isinstance(delta, dict) else None
             if piece:
                 _token(flow, piece)
+        if isinstance(usage, dict):
+            account_usage(flow, usage)
         if not choices and usage is not None and not flow.wants_usage:
             return False
     return True
@@ -214,6 +220,7 @@ def account_usage(flow: Flow, usage: dict) -> None:
     det = usage.get("prompt_tokens_details")
     if isinstance(det, dict) and isinstance(det.get("cached_tokens"), int):
         flow.cached_tokens = det["cached_tokens"]
+        flow.cached_reported = True
     ct = usage.get("completion_tokens")
     if isinstance(ct, int) and flow.migrations == 0 and flow.recomputes == 0:
         flow.out_tokens = max(flow.out_tokens, ct)

@@ -118,6 +118,10 @@ class RouterMetrics:
         fast.gauge_function("infernex_router_inflight_requests", "Requests in flight", inflight)
         self.rejected = Counter("infernex_router_rejected_total", "Requests refused", ["reason"],
                                 registry=registry)
+        self.uncounted_cache = Counter(
+            "infernex_router_answers_without_cached_tokens_total",
+            "Answers whose usage had no prompt_tokens_details.cached_tokens (vLLM started without "
+            "--enable-prompt-tokens-details): their records count 0 cached tokens", ["pod"], registry=registry)
         self.regret = fast.histogram("infernex_router_regret_blocks",
                                      "Best cached prefix any backend had minus the one chosen, in blocks",
                                      ["strategy"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
@@ -153,6 +157,7 @@ class RouterService:
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
         self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
         self._m_requests: dict[str, Any] = {}
+        self._warned_no_cached: set[str] = set()  # backends said to report no cached tokens (once each)
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
         self.pd = PdProtocol(cfg.pd)
@@ -1250,6 +1255,17 @@ class RouterService:
 
             self.records.submit_decision(build, msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
 
+    def _no_cached_report(self, pod: str) -> None:
+        """An engine answered with usage but no cached-token count: vLLM sends
+        ``prompt_tokens_details`` only when started with ``--enable-prompt-tokens-details``, and
+        without it every record of that engine says 0 cached tokens (the SLA history's prefix hit
+        rate with them). Counted per engine, and said once per engine in the log."""
+        self.metrics.uncounted_cache.labels(pod).inc()
+        if pod not in self._warned_no_cached:
+            self._warned_no_cached.add(pod)
+            log.warning("backend %s reports no cached tokens in its usage (start vLLM with "
+                        "--enable-prompt-tokens-details); its request records count 0 cached tokens", pod)
+
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0
         self.settle_routes(flow.rreq, flow.pods)
@@ -1259,6 +1275,8 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
+        if flow.prompt_tokens_reported is not None and not flow.cached_reported and flow.pods:
+            self._no_cached_report(flow.pods[-1])
         role = "pd" if flow.prefill_pod else "aggregated"
         hs = self._m_role.get(role)
         if hs is None:

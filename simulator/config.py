@@ -128,6 +128,10 @@ class EngineConfig(_Frozen):
         "NixlConnector/P2P flow, upstream vLLM's MooncakeConnector, or vllm-ascend's MooncakeConnectorV1")
     kv_link_gbps: float | None = Field(default=None, gt=0, description="KV transfer bandwidth (GB/s) between "
                                        "engines; None: the hardware profile's interconnect")
+    enable_prompt_tokens_details: bool = Field(
+        default=True, description="vLLM's --enable-prompt-tokens-details: usage carries prompt_tokens_details "
+        "(cached_tokens). vLLM's default is off; the simulator's is on, as the deploy guide asks of real engines "
+        "(the router's records and the SLA hit rate read it)")
     emit_kv_events: bool = True
     kv_events_format: Literal["0.33", "0.22", "0.11"] = Field(
         default="0.33", description="the vLLM release whose KV-event wire format and replay protocol to speak")

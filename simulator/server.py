@@ -693,9 +693,9 @@ class SimEngine:
         stream = bool(body.get("stream"))
         opts = body.get("stream_options") or {}
         include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-        obj = "chat.completion" if chat else "text_completion"
         finished = False
         try:
+            details = self.config.enable_prompt_tokens_details
             if not stream:
                 pieces: list[str] = []
                 last = None
@@ -709,65 +709,66 @@ class SimEngine:
                 if stop_reason is None:
                     finished = True
                 assert last is not None
-                text = "".join(pieces)
-                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason,
-                                          "stop_reason": stop_reason}
-                if stop_reason is not None:
-                    choice["finish_reason"] = "stop"
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-                else:
-                    choice["text"] = text
-                    choice["prompt_logprobs"] = None
-                return web.json_response({
-                    "id": public_id, "object": obj, "created": created, "model": model, "choices": [choice],
-                    "usage": _usage(last), "kv_transfer_params": self._kv_params_out(last),
-                })
+                return web.json_response(_whole_answer(
+                    chat, public_id, created, model, "".join(pieces),
+                    "stop" if stop_reason is not None else last.finish_reason, stop_reason,
+                    _usage(last, details), self._kv_params_out(last)))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            continuous = include_usage and isinstance(opts, dict) and bool(opts.get("continuous_usage_stats"))
 
             async def send(payload: dict) -> None:
                 await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-            def chunk(choice: dict) -> dict:
-                return {"id": public_id, "object": chunk_obj, "created": created, "model": model,
-                        "choices": [choice]}
+            def chunk(choice: dict, kv: dict | None, produced: int | None) -> dict:
+                # (vLLM 0.33's chunks: serving.py builds them with these fields, dumped exclude_unset)
+                c = {"id": public_id, "object": chunk_obj, "created": created, "model": model, "choices": [choice]}
+                if produced is not None:
+                    c["usage"] = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + produced,
+                                  "completion_tokens": produced}
+                c["kv_transfer_params"] = kv
+                return c
 
+            n_prompt = len(prompt_ids)
             if chat:
-                await send(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}))
+                first_chunk = {"id": public_id, "object": chunk_obj, "created": created, "model": model,
+                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+                if continuous:
+                    first_chunk["usage"] = {"prompt_tokens": n_prompt, "total_tokens": n_prompt,
+                                            "completion_tokens": 0}
+                first_chunk.update(prompt_token_ids=None, prompt_text=None)
+                await send(first_chunk)
             first = True
             last = None
             cut = False
             try:
                 async for out in self._tokens(rid, q):
                     if recompute_at is not None and last is not None and last.num_output_tokens >= recompute_at:
-                        c = {"index": 0, "logprobs": None, "finish_reason": "stop", "stop_reason": "recomputed"}
-                        c.update({"delta": {"content": ""}} if chat else {"text": ""})
-                        await send(chunk(c))
+                        await send(chunk(_stream_choice(chat, "", "stop", "recomputed"), None,
+                                         last.num_output_tokens if continuous else None))
                         cut = True
                         break
                     text = self._text(out.new_token_ids, first)
                     first = False
                     last = out
-                    if chat:
-                        c = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                             "finish_reason": out.finish_reason if out.finished else None}
-                    else:
-                        c = {"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
-                    payload = chunk(c)
-                    if out.finished and out.kv_transfer is not None:
-                        payload["kv_transfer_params"] = self._kv_params_out(out)
-                    await send(payload)
+                    done = out.finished
+                    await send(chunk(_stream_choice(chat, text, out.finish_reason if done else None, None, done),
+                                     self._kv_params_out(out) if done else None,
+                                     out.num_output_tokens if continuous else None))
                 finished = not cut
             except (_Killed, ApiError):  # headers are out: all a dying engine can do is hang up
                 _drop_connection(request)
                 return resp
             if include_usage and last is not None:
+                # (exclude_none: a usage without details leaves the key out)
+                u = _usage(last, details)
+                u = {k: v for k, v in u.items() if v is not None}
+                if u.get("prompt_tokens_details"):
+                    u["prompt_tokens_details"] = {k: v for k, v in u["prompt_tokens_details"].items() if v is not None}
                 await send({"id": public_id, "object": chunk_obj, "created": created, "model": model,
-                            "choices": [], "usage": _usage(last)})
+                            "choices": [], "usage": u})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -873,10 +874,50 @@ class SimEngine:
         return web.json_response(rendered)
 
 
-def _usage(out: RequestOutput) -> dict:
+def _usage(out: RequestOutput, details: bool = True) -> dict:
+    """vLLM's ``UsageInfo`` of an answer; ``prompt_tokens_details`` only with
+    ``enable_prompt_tokens_details`` (vLLM's --enable-prompt-tokens-details)."""
     return {"prompt_tokens": out.num_prompt_tokens, "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
             "completion_tokens": out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens, "created_cache_tokens": None,
+                                      "multimodal_tokens": None} if details else None,
+            "completion_tokens_details": None}
+
+
+def _stream_choice(chat: bool, text: str, finish_reason: str | None, stop_reason: Any,
+                   final: bool | None = None) -> dict:
+    """One streamed choice as vLLM 0.33 sends it (tests/fixtures/vllm/0.33.0/openai.json): a
+    completion's carries every field on each chunk; a chat's carries ``stop_reason`` and
+    ``weight_versions`` only on the chunk that finishes it."""
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None, "weight_versions": None}
+    c: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None or final:
+        c.update(stop_reason=stop_reason, token_ids=None, weight_versions=None)
+    else:
+        c["token_ids"] = None
+    return c
+
+
+def _whole_answer(chat: bool, rid: str, created: int, model: str, text: str, finish_reason: str | None,
+                  stop_reason: Any, usage: dict, kv: dict | None) -> dict:
+    """A non-streamed answer as vLLM 0.33's ``CompletionResponse`` / ``ChatCompletionResponse``
+    ``model_dump()`` gives it (every field, None as null; an empty ``tool_calls`` left out)."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                          "audio": None, "function_call": None, "reasoning": None},
+                  "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason, "token_ids": None,
+                  "routed_experts": None, "weight_versions": None}
+        tail = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                  "routed_experts": None, "weight_versions": None}
+        tail = {}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "service_tier": None, "system_fingerprint": None,
+            "usage": usage, **tail, "kv_transfer_params": kv, "ec_transfer_params": None, "metrics": None}
 
 
 def _drop_connection(request: web.Request) -> None:

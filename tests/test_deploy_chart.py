@@ -155,6 +155,7 @@ def test_aggregated_engines():
     assert arg_value(args, "--port") == str(svc["service"]["port"])
     assert arg_value(args, "--max-model-len") == str(svc["aggregated"]["maxModelLen"])
     assert "--enable-prefix-caching" in args and "--no-enable-prefix-caching" not in args
+    assert "--enable-prompt-tokens-details" in args  # the records' cached tokens come from it
     assert "--kv-transfer-config" not in args
     for extra in svc["aggregated"]["extraArgs"]:
         assert extra in args
@@ -498,3 +499,18 @@ def test_the_indexer_reserves_the_blocks_set_in_the_values():
         BlockStored(block_hashes=[7], token_ids=list(range(16)), block_size=16)]))
     m = index._models["m"]
     assert m.kt.shape[0] * 0.6 >= 300_000 and m.em.shape[0] * 0.6 >= 300_000
+
+
+def test_engines_report_cached_tokens_unless_turned_off():
+    """vLLM's usage carries prompt_tokens_details.cached_tokens only with
+    --enable-prompt-tokens-details; the chart sets it on every engine role unless a role's values
+    turn it off."""
+    def engine_args(sets: list[str]) -> dict[str, list[str]]:
+        return {d["metadata"]["name"]: container(d, "engine")["args"] for d in by_kind(render(None, sets=sets),
+                                                                                   "Deployment")
+                if any(c["name"] == "engine" for c in pod_spec(d)["containers"])}
+
+    on = engine_args(DP2)
+    assert list(on) == ["m"] and "--enable-prompt-tokens-details" in on["m"]
+    off = engine_args(DP2 + ["inference-backend.services[0].aggregated.promptTokensDetails=false"])
+    assert list(off) == ["m"] and "--enable-prompt-tokens-details" not in off["m"]
