@@ -495,9 +495,14 @@ class SimEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         name = self.config.served_model_name
+        # (vLLM 0.33's ModelList: a ModelCard per served name with one default ModelPermission)
+        perm = {"id": f"modelperm-{self.engine_id}", "object": "model_permission", "created": self.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                "group": None, "is_blocking": False}
         return web.json_response({"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "vllm", "root": name,
-            "parent": None, "max_model_len": self.config.max_model_len,
+            "parent": None, "max_model_len": self.config.max_model_len, "permission": [perm],
         }]})
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
