@@ -89,6 +89,7 @@ class RouterApp:
             self.service.replicas = self.sync.info
             if self.cfg.replica_sync_routes:
                 self.service.on_route = self.sync.add_route
+                self.service.on_route_end = self.sync.add_end
                 self.sync.piece_routes = self.service.piece_routes
         url = await self.service.start(host, port)
         if self.cfg.epp_port is not None:

@@ -20,7 +20,8 @@ pieces (:class:`simulator.piece_memo.PiecePlan`) and tokenized from the front:
    time to live. A later prompt with the same text there tokenizes it (1) and counts those blocks
    as predicted on that engine, as if the first request had tokenized them: a burst of requests
    sharing a new document still goes to one engine. A route ends :data:`SETTLE_S` after its
-   request does (:meth:`PieceRoutes.settle`): the engine has computed the text by then, its KV
+   request does (:meth:`PieceRoutes.settle`; on the other router replicas, which got it, too:
+   :mod:`router.replica_sync`): the engine has computed the text by then, its KV
    events say what it holds, and a route kept for its whole time to live would count blocks the
    engine has evicted since as predicted there again.
 

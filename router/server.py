@@ -142,6 +142,8 @@ class RouterService:
         self.index = index
         # (model, pod, keys[, pieces=]) of a predicted route; ``pieces``: its untokenized text's keys (router.lazy_prompt)
         self.on_route: Callable[..., None] | None = None
+        # (model, pod, "settle"|"forget", keys=, pieces=) when such a route ends here: the other replicas end it too
+        self.on_route_end: Callable[..., None] | None = None
         self.replicas: Callable[[], dict] | None = None  # this replica and the others it hears (replica sync)
         # (ready, why not) of the embedded KV index: not ready while it reads the KV stream's backlog (router.feeds)
         self.kv_status: Callable[[], tuple[bool, str | None]] | None = None
@@ -999,7 +1001,7 @@ class RouterService:
     def settle_routes(self, rreq: RoutingRequest | None, pods: Sequence[str]) -> None:
         """The request is over on ``pods``: its untokenized text's routes there end shortly
         (:meth:`router.lazy_prompt.PieceRoutes.settle`), and from then on the engines' KV events alone
-        say what they hold of it."""
+        say what they hold of it. The other replicas, which got these routes, end theirs too."""
         tail = rreq.piece_tail if rreq is not None else None
         if not tail:
             return
@@ -1007,10 +1009,14 @@ class RouterService:
         until = time.monotonic() + lazy_prompt.SETTLE_S
         for pod in pods:
             self.piece_routes.settle(model, tail, pod, until)
+        if self.on_route_end is not None and self.router.strategy.approximate:  # (only then shared: predict_route)
+            for pod in pods:  # the other replicas' copies (router.replica_sync)
+                self.on_route_end(model, pod, "settle", pieces=tail)  # the pieces as on_route sent them
 
     def _forget_route(self, flow: _Flow, pod: str) -> None:
         """``flow`` left ``pod`` before its prefill ran there (failed, timed out, cancelled): the
-        blocks predicted there for it end now instead of counting for their time to live."""
+        blocks predicted there for it end now instead of counting for their time to live, here and
+        on the other replicas."""
         forget = getattr(self.index, "forget_route", None) if self.router.strategy.approximate else None
         if forget is None or flow.rreq.token_ids is None:
             return
@@ -1019,6 +1025,10 @@ class RouterService:
             keys = self._prompt_keys(flow, self.index.block_size(model))
             if keys is not None and len(keys):
                 forget(model, pod, keys)
+                if self.on_route_end is not None:  # the other replicas' copies (router.replica_sync)
+                    # (the whole prompt's keys, as here: the route shared the part past what the
+                    # engine had reported, and only predictions end, never what its events said)
+                    self.on_route_end(model, pod, "forget", keys=keys)
         except (KeyError, ValueError, TypeError):
             pass
 

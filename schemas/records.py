@@ -7,7 +7,7 @@ import sys
 from array import array
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from schemas.base import Event
 
@@ -229,4 +229,55 @@ class ReplicaLoad(Event):
 
     def to_json(self) -> bytes:
         # a route without untokenized text leaves ``pieces`` out: readable by a replica from before the field
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+class RouteEnd(BaseModel):
+    """A routed prompt (:class:`RoutedPrompt`) that stops counting as predicted on its engine:
+    ``settle``, its request is over there, so the routes of its untokenized text (``pieces``) end
+    shortly (router.lazy_prompt.SETTLE_S after this arrives); ``forget``, it left the engine before
+    its prefill ran there, so the blocks predicted for it (``keys``) end now."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="the index model (a LoRA adapter's base)")
+    pod: str = Field(min_length=1)
+    kind: Literal["settle", "forget"]
+    keys: str | None = Field(default=None, description="forget: base64 of the prompt's block keys, little-endian "
+                             "uint64 (schemas.records.pack_keys)")
+    pieces: str | None = Field(default=None, description="settle: base64 of the keys of the pieces of text the "
+                               "prompt left untokenized (RoutedPrompt.pieces), little-endian uint64")
+
+    @field_validator("keys", "pieces")
+    @classmethod
+    def _packed_keys(cls, v: str | None, info) -> str | None:
+        if v is not None:
+            packed_bytes(v, info.field_name)
+        return v
+
+    @model_validator(mode="after")
+    def _what_it_ends(self) -> RouteEnd:
+        need = "pieces" if self.kind == "settle" else "keys"
+        if getattr(self, need) is None:
+            raise ValueError(f"a {self.kind} end needs {need}")
+        return self
+
+
+class RouteEnds(Event):
+    """The ends of routes a router replica shared in its :class:`ReplicaLoad` messages, for the
+    other replicas of its pool, which recorded those routes. Sent on core NATS
+    (``router.sync.<pool>.ends``, not stored) at most once per sync interval, and only while the
+    replica hears others. A subject of its own: a replica from before it neither receives nor has
+    to decode it, and gets no ends, as before."""
+
+    replica: str = Field(min_length=1, max_length=256, description="the sending replica's id")
+    pool: str = Field(min_length=1)
+    seq: int = Field(ge=0, description="the sender's message counter, shared with its ReplicaLoad messages")
+    load_seq: int = Field(ge=0, description="the seq of the sender's last ReplicaLoad before this message: the "
+                          "routes these ends refer to went out in it or earlier, and a receiver that has not seen "
+                          "it yet holds the ends until it has (the two subjects are read apart)")
+    ts: float = Field(ge=0)
+    ends: list[RouteEnd] = Field(min_length=1, max_length=1024)
+
+    def to_json(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()

@@ -10,7 +10,7 @@ from schemas.device import DeviceTelemetry
 from schemas.diagnosis import Diagnosis
 from schemas.kv import KvEventBatch
 from schemas.metrics import EngineMetrics
-from schemas.records import ReplicaLoad, RequestRecord, RoutingDecision
+from schemas.records import ReplicaLoad, RequestRecord, RouteEnds, RoutingDecision
 from schemas.scaling import ScalingHint
 
 #: subject kind (as returned by :func:`schemas.subjects.parse`) -> (model, subject template, description);
@@ -25,12 +25,15 @@ CHANNELS: dict[str, tuple[type[Event], str, str]] = {
     "router.decisions": (RoutingDecision, "router.decisions.{pool}", "routing decision with scores"),
     "router.sync": (ReplicaLoad, "router.sync.{pool}", "a router replica's own in-flight load per engine, "
                     "for the other replicas of its pool (core NATS, not stored)"),
+    "router.sync.ends": (RouteEnds, "router.sync.{pool}.ends", "the routes a router replica shared on "
+                         "router.sync.{pool} that stop counting as predicted blocks (its request over, or gone "
+                         "before its prefill), for the other replicas of its pool (core NATS, not stored)"),
     "autoscale.hints": (ScalingHint, "autoscale.hints.{pool}.{role}", "replica hint for a pool role"),
     "dlq": (DeadLetter, "dlq.{stream}", "dead letter with the reason"),
 }
 
 #: channels on core NATS only: live state no stream stores (nothing to replay)
-CORE_ONLY: frozenset[str] = frozenset({"router.sync"})
+CORE_ONLY: frozenset[str] = frozenset({"router.sync", "router.sync.ends"})
 
 
 def model_for_subject(subject: str) -> type[Event]:

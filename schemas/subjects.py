@@ -95,6 +95,13 @@ def router_sync(pool: str) -> str:
     return _join("router", "sync", escape_token(pool))
 
 
+def router_sync_ends(pool: str) -> str:
+    """The same replicas tell each other when the prompts they routed stopped counting as predicted
+    blocks (core NATS, not stored). A token below :func:`router_sync`, so a replica from before it,
+    subscribed to that exact subject, never receives these."""
+    return _join("router", "sync", escape_token(pool), "ends")
+
+
 def autoscale_hints(pool: str, role: str) -> str:
     return _join("autoscale", "hints", escape_token(pool), escape_token(role))
 
@@ -145,6 +152,8 @@ def parse(subject: str) -> dict[str, str]:
             return {"kind": "router.decisions", "pool": unescape_token(t[2])}
         if t[:2] == ["router", "sync"] and len(t) == 3:
             return {"kind": "router.sync", "pool": unescape_token(t[2])}
+        if t[:2] == ["router", "sync"] and len(t) == 4 and t[3] == "ends":
+            return {"kind": "router.sync.ends", "pool": unescape_token(t[2])}
         if t[:2] == ["autoscale", "hints"] and len(t) == 4:
             return {"kind": "autoscale.hints", "pool": unescape_token(t[2]), "role": unescape_token(t[3])}
         if t[0] == "dlq" and len(t) == 2:
