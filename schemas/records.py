@@ -186,7 +186,19 @@ class RequestRecord(Event):
                                  "(e2e - TTFT) / (output tokens - 1)")
 
 
-class RoutedPrompt(BaseModel):
+class _PackedKeys(BaseModel):
+    """Fields ``keys`` and ``pieces`` (where a subclass has them) hold packed keys
+    (:func:`pack_keys`): checked to decode when the message is read."""
+
+    @field_validator("keys", "pieces", check_fields=False)
+    @classmethod
+    def _packed_keys(cls, v: str | None, info) -> str | None:
+        if v is not None:
+            packed_bytes(v, info.field_name)
+        return v
+
+
+class RoutedPrompt(_PackedKeys):
     """A prompt a replica just sent to an engine: its block keys (packed, as
     :func:`pack_keys`), which the other replicas count as that engine's predicted blocks until
     its KV events can say so."""
@@ -199,13 +211,6 @@ class RoutedPrompt(BaseModel):
     pieces: str | None = Field(default=None, description="the prompt's text past those blocks, left untokenized "
                                "(router.lazy_prompt): base64 of a key per piece of it, little-endian uint64; "
                                "left out when there is none")
-
-    @field_validator("keys", "pieces")
-    @classmethod
-    def _packed_keys(cls, v: str | None, info) -> str | None:
-        if v is not None:
-            packed_bytes(v, info.field_name)
-        return v
 
 
 class ReplicaLoad(Event):
@@ -232,7 +237,7 @@ class ReplicaLoad(Event):
         return self.model_dump_json(exclude_none=True).encode()
 
 
-class RouteEnd(BaseModel):
+class RouteEnd(_PackedKeys):
     """A routed prompt (:class:`RoutedPrompt`) that stops counting as predicted on its engine:
     ``settle``, its request is over there, so the routes of its untokenized text (``pieces``) end
     shortly (router.lazy_prompt.SETTLE_S after this arrives); ``forget``, it left the engine before
@@ -247,13 +252,6 @@ class RouteEnd(BaseModel):
                              "uint64 (schemas.records.pack_keys)")
     pieces: str | None = Field(default=None, description="settle: base64 of the keys of the pieces of text the "
                                "prompt left untokenized (RoutedPrompt.pieces), little-endian uint64")
-
-    @field_validator("keys", "pieces")
-    @classmethod
-    def _packed_keys(cls, v: str | None, info) -> str | None:
-        if v is not None:
-            packed_bytes(v, info.field_name)
-        return v
 
     @model_validator(mode="after")
     def _what_it_ends(self) -> RouteEnd:
