@@ -94,13 +94,26 @@ def parse_vllm_metrics(text: str, pod: str, ts: float, *, role: str = "aggregate
                         info[k] = int(float(v))
     if not snaps:
         raise MetricsParseError("no vllm:* metrics in the exposition")
+    engines = [(key, d) for key, d in sorted(snaps.items())
+               if "num_requests_running" in d or "kv_cache_usage_perc" in d]  # else only histograms/info
+    # vLLM's front end writes its one CacheConfig into a cache_config_info row per engine it manages,
+    # and that config's num_gpu_blocks is the sum over those engines (0.33's
+    # MPClient._apply_ready_response adds up each engine's ready response; the tests'
+    # vllm/0.33.0/metrics-dp2.prom). Each engine gets an equal share (the remainder to the first
+    # ones), so the blocks of a pod's engines add up to what vLLM reports, not to N times it.
+    def cache_of(engine: str) -> dict[str, int]:
+        return cache_info.get(engine) or cache_info.get(None) or {}
+
+    with_blocks = list(dict.fromkeys(e for (_, e), _ in engines if "num_gpu_blocks" in cache_of(e)))
+    shares = {e: cache_of(e)["num_gpu_blocks"] // len(with_blocks)
+              + (1 if i < cache_of(e)["num_gpu_blocks"] % len(with_blocks) else 0) for i, e in enumerate(with_blocks)}
     out = []
-    for (model_name, engine), d in sorted(snaps.items()):
-        if "num_requests_running" not in d and "kv_cache_usage_perc" not in d:
-            continue  # only histograms/info: not an engine snapshot
+    for (model_name, engine), d in engines:
         hist = {k: HistogramSnapshot(**v) for k, v in d.items() if isinstance(v, dict)}
         plain = {k: v for k, v in d.items() if not isinstance(v, dict)}
-        plain.update(cache_info.get(engine) or cache_info.get(None) or {})
+        plain.update(cache_of(engine))
+        if engine in shares:
+            plain["num_gpu_blocks"] = shares[engine]
         plain.setdefault("num_requests_running", 0.0)
         plain.setdefault("num_requests_waiting", 0.0)
         plain.setdefault("kv_cache_usage_perc", 0.0)

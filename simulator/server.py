@@ -102,7 +102,36 @@ class Timeline:
 
 
 class EngineMetrics:
-    """vLLM's Prometheus metrics for one engine, in an injected registry."""
+    """vLLM's Prometheus metrics for one engine, in an injected registry.
+
+    Names, types, label names, help texts and bucket bounds are those of vLLM 0.33.0's
+    ``PrometheusStatLogger`` (checked against its real output, ``tests/fixtures/vllm/0.33.0/
+    metrics.prom``, by ``tests/test_vllm_metrics_conformance.py``), for the metrics the collector
+    reads and a few more. The ``engine`` label is the simulator's engine id, where vLLM puts the
+    data-parallel rank (``"0"`` for a single engine).
+    """
+
+    # vLLM 0.33.0 writes every field of its CacheConfig as a label of vllm:cache_config_info
+    # (``str()`` of the value). These are the values of a plain `vllm serve` (the fixture's);
+    # the block size, block count, prefix caching and the KV tokens they make are set per engine
+    # (the collector reads only block_size and num_gpu_blocks).
+    CACHE_CONFIG_INFO = {
+        "_block_size_resolved": "True", "block_size": "16", "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None", "effective_attention_block_size": "16",
+        "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.92", "hash_block_size": "None", "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None", "kv_cache_max_concurrency": "None",
+        "kv_cache_memory_bytes": "None", "kv_cache_size_tokens": "None", "kv_offloading_backend": "native",
+        "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False", "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto", "mamba_cache_mode": "none", "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "auto", "num_cpu_blocks": "None", "num_gpu_blocks": "None",
+        "num_gpu_blocks_override": "None", "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256", "prefix_match_unit": "None", "replayssm_buffer_len": "16",
+        "simple_cpu_offload_num_blocks": "None", "skip_page_size_padded": "None", "sliding_window": "None",
+        "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+        "user_specified_block_size": "False",
+    }
+    FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason, as labelled
 
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: str, block_size: int,
                  num_gpu_blocks: int, enable_prefix_caching: bool):
@@ -129,6 +158,8 @@ class EngineMetrics:
         self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                labels + ["finished_reason"], registry=r)
+        for reason in self.FINISHED_REASONS:  # vLLM shows every reason from the start, at 0
+            self.success.labels(**lv, finished_reason=reason)
         self._lv = lv
         # the simulator's own (not vLLM's): how closely this process kept to its model's timeline
         self.step_seconds = c("infernex_sim_step_seconds", "Modelled duration of the scheduler steps run, "
@@ -145,10 +176,13 @@ class EngineMetrics:
                      LATENCY_BUCKETS)
         self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
                        LATENCY_BUCKETS)
-        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                     ["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"], registry=r)
-        info.labels(block_size=str(block_size), num_gpu_blocks=str(num_gpu_blocks),
-                    enable_prefix_caching=str(enable_prefix_caching), engine=engine).set(1)
+        cache = dict(self.CACHE_CONFIG_INFO, block_size=str(block_size), num_gpu_blocks=str(num_gpu_blocks),
+                     enable_prefix_caching=str(enable_prefix_caching),
+                     effective_attention_block_size=str(block_size),
+                     kv_cache_size_tokens=str(block_size * num_gpu_blocks))
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache, "engine"],
+                     registry=r)
+        info.labels(**cache, engine=engine).set(1)
         self._last = None
 
     def update(self, core: EngineCore, res: StepResult | None) -> None:
@@ -210,7 +244,9 @@ class SimEngine:
         self.peers = peers if peers is not None else {}
         self.tokenizer = load_tokenizer(config.tokenizer, config.vocab_size or config.model.vocab_size)
         self.core = self._new_core()
-        self.metrics = EngineMetrics(self.registry, config.served_model_name, config.engine_id,
+        # (vLLM's engine label is the engine's index in its server, the data-parallel rank: "0" for
+        # a server of one engine, as each simulated engine is; tests/fixtures/vllm/0.33.0/metrics.prom)
+        self.metrics = EngineMetrics(self.registry, config.served_model_name, "0",
                                      config.block_size, self.core.num_blocks, config.enable_prefix_caching)
         self.faults = config.faults
         self.core.slow_factor = self.faults.slow_factor

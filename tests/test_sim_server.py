@@ -159,7 +159,7 @@ def test_metrics_have_vllm_names_and_labels(url):
                  "vllm:request_queue_time_seconds_bucket", "vllm:cache_config_info"):
         assert name in names, name
     labels = dict(next(lbl for n, lbl in m if n == "vllm:num_requests_running"))
-    assert labels == {"model_name": MODEL, "engine": "engine-0"}
+    assert labels == {"model_name": MODEL, "engine": "0"}  # vLLM's engine index (the DP rank), not the pod
     info = dict(next(lbl for n, lbl in m if n == "vllm:cache_config_info"))
     assert info["block_size"] == "16" and info["num_gpu_blocks"] == "2048"
     assert metric(url, "vllm:generation_tokens_total") >= 3
