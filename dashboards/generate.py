@@ -107,10 +107,18 @@ ROUTER = Dashboard(
         Panel("Router replicas sharing their load", [
             ("max(infernex_router_sync_peers)", "other replicas heard (max over replicas)"),
             (f"sum by (direction) (rate(infernex_router_sync_messages_total[{RI}]))", "messages {{direction}}"),
-            (f"sum(rate(infernex_router_sync_expired_total[{RI}]))", "replicas gone silent")],
+            (f"sum(rate(infernex_router_sync_expired_total[{RI}]))", "replicas gone silent"),
+            (f"sum by (direction) (rate(infernex_router_sync_route_ends_total[{RI}]))", "route ends {{direction}}")],
             description="Each replica tells the others of its pool its own in-flight requests per engine "
                         "(router.sync.<pool>); with N replicas, each should hear N-1. A replica gone silent "
-                        "is forgotten after router.replica_sync_expire_s."),
+                        "is forgotten after router.replica_sync_expire_s. Route ends (router.sync.<pool>.ends): "
+                        "the routes of finished or failed requests, which the others stop counting as the "
+                        "engine's predicted blocks."),
+        Panel("Answers without cached-token counts", [
+            (f"sum by (pod) (rate(infernex_router_answers_without_cached_tokens_total[{RI}]))", "{{pod}}")],
+            unit="reqps",
+            description="Answers whose usage had no prompt_tokens_details.cached_tokens: the engine runs "
+                        "without --enable-prompt-tokens-details, and its request records count 0 cached tokens."),
     ],
 )
 

@@ -164,3 +164,32 @@ def test_replicas_apart_alert_fires_when_a_router_replica_hears_fewer_than_the_o
     proc = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
+
+
+def test_promtool_names_an_engine_that_reports_no_cached_tokens(tmp_path):
+    """The router counts answers without prompt_tokens_details.cached_tokens per engine
+    (infernex_router_answers_without_cached_tokens_total): the alert names that engine and the
+    flag, and stays quiet for an engine whose answers all carry it."""
+    promtool = promtool_binary()
+    if promtool is None:
+        pytest.skip("promtool not found: install the Debian package 'prometheus' (apt-get install -y prometheus)")
+    groups, alerts = _alerts()
+    assert "InferNexEngineReportsNoCachedTokens" in alerts
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    series = [{"series": 'infernex_router_answers_without_cached_tokens_total{pod="engine-b"}', "values": "0+6x20"},
+              {"series": 'infernex_router_answers_without_cached_tokens_total{pod="engine-a"}', "values": "3x20"}]
+    test = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "alert_rule_test": [{"eval_time": "10m", "alertname": "InferNexEngineReportsNoCachedTokens", "exp_alerts": [
+            {"exp_labels": {"severity": "warning", "pod": "engine-b"},
+             "exp_annotations": {
+                 "summary": "An engine's answers do not say how many prompt tokens it took from its cache",
+                 "description": "engine-b answered 60 requests in 10 minutes without usage.prompt_tokens_details."
+                                "cached_tokens: its request records count 0 cached tokens and the SLA history's "
+                                "prefix hit rate reads low. Start it with --enable-prompt-tokens-details (the "
+                                "chart's default; promptTokensDetails on its role)."}}]}]}]}
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    proc = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
