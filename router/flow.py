@@ -75,6 +75,10 @@ class Flow:
     prefill_end_t: float | None = None
     recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)
     recomputes: int = 0
+    # (code, type, message) of an error the engine sent in place of the rest of a stream (vLLM: a
+    # generation that failed, finish_reason "error"); what it says after that is dropped
+    engine_error: tuple[int, str, str] | None = None
+    migrated_tokens: int = 0  # output tokens the client had when the stream last moved to another engine
 
     @property
     def text(self) -> str:
@@ -98,8 +102,10 @@ def on_event(flow: Flow, ev: bytes, *, retries_recomputed: bool = False) -> bool
     """Track one SSE event of the answer: True passes it on, False drops it (the usage chunk the
     client did not ask for), bytes replace it. ``retries_recomputed``: a decode that stops
     ``recomputed`` (vllm-ascend) is to be re-issued, so it and all that decode says after it are
-    dropped (the rest comes from the re-issued request)."""
-    if flow.recomputed:
+    dropped (the rest comes from the re-issued request). An error event in place of the rest of
+    the stream (vLLM's answer to a generation that failed) sets ``flow.engine_error`` and is
+    dropped with all after it: the caller continues the request elsewhere or ends it."""
+    if flow.recomputed or flow.engine_error is not None:
         return False
     for line in ev.split(b"\n"):
         if not line.startswith(b"data:"):
@@ -114,6 +120,12 @@ def on_event(flow: Flow, ev: bytes, *, retries_recomputed: bool = False) -> bool
             return True
         if not isinstance(obj, dict):
             return True
+        err = obj.get("error")
+        if isinstance(err, dict) and "choices" not in obj:  # (vLLM's create_streaming_error_response)
+            code = err.get("code")
+            flow.engine_error = (code if isinstance(code, int) else 500, str(err.get("type") or "")[:100],
+                                 str(err.get("message") or "")[:500])
+            return False
         usage = obj.get("usage")
         choices = obj.get("choices") or []
         if choices and retries_recomputed and stop_reason_recomputed(choices[0]):
@@ -139,7 +151,22 @@ def on_event(flow: Flow, ev: bytes, *, retries_recomputed: bool = False) -> bool
             account_usage(flow, usage)
         if not choices and usage is not None and not flow.wants_usage:
             return False
+        if not choices and isinstance(usage, dict) and flow.migrated_tokens:
+            return _whole_usage(obj, usage, flow.migrated_tokens)
     return True
+
+
+def _whole_usage(obj: dict, usage: dict, before: int) -> bytes:
+    """A migrated stream's usage chunk, counting the whole answer the client got: the continuation's
+    engine counted the text generated before the migration in its prompt, and only its own tokens
+    as completion tokens."""
+    u = dict(usage)
+    ct, pt = u.get("completion_tokens"), u.get("prompt_tokens")
+    if isinstance(ct, int):
+        u["completion_tokens"] = ct + before
+    if isinstance(pt, int) and pt >= before:
+        u["prompt_tokens"] = pt - before
+    return sse_event({**obj, "usage": u})
 
 
 def strip_role(obj: dict, choices: list, flow: Flow) -> bool | bytes:

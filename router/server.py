@@ -900,6 +900,7 @@ class RouterService:
             if resp is not None and resp.prepared:
                 # mid-stream: migrate with what was generated so far
                 flow.migrations += 1
+                flow.migrated_tokens = flow.out_tokens  # (the continuation's usage is counted from here)
                 self.metrics.migrations.inc()
                 if flow.migrations > cfg.max_migrations:
                     flow.status, flow.error = "error", "backend failed mid-stream; migration limit reached"
@@ -1161,10 +1162,21 @@ class RouterService:
                             self.state.first_token(b, pending)
                             pending = 0
                         await resp.write(bytes(out))
+                    if flow.engine_error is not None:
+                        break
             except _UPSTREAM_ERRORS as e:
-                if not flow.done and not flow.recomputed:
+                if not flow.done and not flow.recomputed and flow.engine_error is None:
                     log.warning("backend %s failed mid-stream for %s: %s", b.pod, flow.rid, type(e).__name__)
                     return resp, "mid_stream" if is_breaker_failure(e) else "slow"
+            if flow.engine_error is not None:
+                # the engine ended the stream with an error event (a generation that failed): the
+                # request goes on elsewhere with the text so far, as when an engine dies mid-stream;
+                # vLLM's retryable kind (503, ServiceUnavailableError) does not count as broken
+                code, etype, msg = flow.engine_error
+                flow.engine_error = None
+                log.warning("backend %s failed the generation of %s mid-stream: %s %s %s", b.pod, flow.rid, code,
+                            etype, msg[:200])
+                return resp, "slow" if (code == 503 or etype == "ServiceUnavailableError") else "engine_error"
             if flow.recomputed:
                 self.state.breakers.success(b.pod)
                 return resp, "recomputed"

@@ -98,6 +98,10 @@ class FaultConfig(_Frozen):
     recompute_after_tokens: int | None = Field(
         default=None, ge=0, description="a KV consumer ends remote-prefilled requests after N tokens with "
                                         "stop_reason 'recomputed' (vllm-ascend: the decode node lost the KV)")
+    fail_generation_after_tokens: int | None = Field(
+        default=None, ge=0, description="a generation fails after N tokens, as vLLM answers an output with "
+        "finish_reason 'error': a stream ends with an error event (InternalServerError, 500) and [DONE], a whole "
+        "answer is a 500 error")
     seed: int = 0
 
 

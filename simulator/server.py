@@ -728,6 +728,7 @@ class SimEngine:
         # vllm-ascend: a decode node that cannot keep a remote-prefilled request ends it with
         # stop_reason "recomputed"; its proxy re-issues the rest (prefill + decode) elsewhere
         recompute_at = self.faults.recompute_after_tokens if params.get("do_remote_prefill") else None
+        fail_at = self.faults.fail_generation_after_tokens
         created = int(time.time())
         model = self.config.served_model_name
         public_id = ("chatcmpl-" if chat else "cmpl-") + rid
@@ -745,6 +746,8 @@ class SimEngine:
                     if recompute_at is not None and last is not None and last.num_output_tokens >= recompute_at:
                         stop_reason = "recomputed"
                         break
+                    if fail_at is not None and out.num_output_tokens > fail_at:
+                        raise ApiError(500, "Internal server error", "InternalServerError")
                     pieces.append(self._text(out.new_token_ids, not pieces))
                     last = out
                 if stop_reason is None:
@@ -783,13 +786,21 @@ class SimEngine:
                 await send(first_chunk)
             first = True
             last = None
-            cut = False
+            cut = failed = False
             try:
                 async for out in self._tokens(rid, q):
                     if recompute_at is not None and last is not None and last.num_output_tokens >= recompute_at:
                         await send(chunk(_stream_choice(chat, "", "stop", "recomputed"), None,
                                          last.num_output_tokens if continuous else None))
                         cut = True
+                        break
+                    if fail_at is not None and out.num_output_tokens > fail_at:
+                        # vLLM's stream generator on GenerationError: create_streaming_error_response
+                        # (json.dumps of ErrorResponse.model_dump()), then [DONE]
+                        err = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                                         "param": None, "code": 500}}
+                        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                        cut = failed = True
                         break
                     text = self._text(out.new_token_ids, first)
                     first = False
@@ -802,7 +813,7 @@ class SimEngine:
             except (_Killed, ApiError):  # headers are out: all a dying engine can do is hang up
                 _drop_connection(request)
                 return resp
-            if include_usage and last is not None:
+            if include_usage and last is not None and not failed:  # (vLLM's error path sends no usage)
                 # (exclude_none: a usage without details leaves the key out)
                 u = _usage(last, details)
                 u = {k: v for k, v in u.items() if v is not None}

@@ -18,7 +18,8 @@ from simulator.config import EngineConfig
 from fixtures.vllm import openai_answers, sse_events
 
 SCENARIOS = openai_answers()
-STREAMED = [s for s in SCENARIOS if "stream" in s]
+STREAMED = [s for s in SCENARIOS if "stream" in s and "error" not in s["expect"]]
+FAILING = [s for s in SCENARIOS if "stream" in s and "error" in s["expect"]]
 WHOLE = [s for s in SCENARIOS if "json" in s and s.get("status", 200) == 200 and "output_tokens" in s["expect"]]
 
 
@@ -50,6 +51,20 @@ def test_the_router_reads_vllms_streamed_answer(s, wants_usage):
     # the usage chunk reaches the client only if the client asked for it; every other event passes as sent
     assert passed == [e for e in sse_events(s["stream"]) if wants_usage or e not in usage_chunks]
     assert passed[-1] == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("s", FAILING, ids=lambda s: s["name"])
+def test_the_router_sees_vllms_error_in_place_of_the_rest_of_a_stream(s):
+    """vLLM answers a generation that failed mid-stream with an error event and [DONE]: the
+    router keeps the text so far, drops the error event and all after it (it continues the request
+    elsewhere), and does not take the stream for finished."""
+    f = _flow(s, False)
+    passed = [ev for ev in sse_events(s["stream"]) if answer.on_event(f, ev) is True]
+    exp = s["expect"]
+    assert f.text == exp["text"] and f.out_tokens == exp["output_tokens"]
+    assert f.engine_error is not None and f.engine_error[:2] == (exp["error"]["code"], exp["error"]["type"])
+    assert not f.done
+    assert passed == sse_events(s["stream"])[:exp["output_tokens"]]  # the tokens before it, nothing after
 
 
 @pytest.mark.parametrize("s", WHOLE, ids=lambda s: s["name"])
@@ -158,3 +173,92 @@ async def test_an_engine_without_cached_token_reports_is_counted_and_named(engin
     assert count("infernex_router_answers_without_cached_tokens_total", {"pod": "with"}) is None
     said = [r.getMessage() for r in caplog.records if "--enable-prompt-tokens-details" in r.getMessage()]
     assert len(said) == 1 and "without" in said[0]
+
+
+@pytest.fixture(scope="module")
+def failing():
+    """Engines whose generations fail after 2 tokens (FaultConfig.fail_generation_after_tokens), and a
+    healthy one."""
+    from simulator.config import FaultConfig
+
+    specs = [EngineSpec(EngineConfig(engine_id="bad", served_model_name="sim", num_gpu_blocks=512,
+                                     faults=FaultConfig(fail_generation_after_tokens=2))),
+             EngineSpec(EngineConfig(engine_id="good", served_model_name="sim", num_gpu_blocks=512))]
+    c = SimCluster(specs, time_scale=50).start()
+    yield {"bad": c[0].url, "good": c[1].url}
+    c.stop()
+
+
+def test_the_simulators_failed_generation_is_vllms_shape(failing):
+    want = next(s for s in SCENARIOS if s["name"] == "completions-stream-generation-error")
+    body = {"model": "sim", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # (vLLM's error path sends no usage chunk)
+    r = httpx.post(failing["bad"] + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    assert [shape(p) for p in _payloads(r.text)] == [shape(p) for p in _payloads(want["stream"])]
+    assert sse_events(r.text)[-2] == sse_events(want["stream"])[-2]  # the error event itself, byte for byte
+    whole = httpx.post(failing["bad"] + "/v1/completions", json={**body, "stream": False}, timeout=30)
+    assert whole.status_code == 500 and whole.json()["error"]["type"] == "InternalServerError"
+
+
+async def test_a_generation_that_fails_mid_stream_goes_on_elsewhere(failing):
+    """The engine's error event is not passed to the client: the request continues on another engine
+    with the text so far (a migration), and the client gets one whole answer."""
+    import aiohttp
+
+    from router.app import RouterApp
+    from router.config import RouterConfig, StaticBackend
+
+    backends = [StaticBackend(pod="bad", url=failing["bad"], model="sim"),
+                StaticBackend(pod="good", url=failing["good"], model="sim")]
+    app = RouterApp(RouterConfig(strategy="round-robin", backends=backends, bus=False, records=False))
+    url = await app.start("127.0.0.1", 0)
+    try:
+        started_bad = 0
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):  # round-robin: at least one of the two starts on the failing engine
+                body = {"model": "sim", "prompt": "tell me", "max_tokens": 6, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    started_bad += r.headers["X-InferNex-Backend"] == "bad"  # (the engine it started on)
+                    text = (await r.read()).decode()
+                assert '"error"' not in text and text.endswith("data: [DONE]\n\n")
+                events = _payloads(text)
+                assert sum(1 for e in events if e["choices"]) == 6  # every token once
+                assert events[-1]["usage"]["completion_tokens"] == 6
+    finally:
+        await app.stop(drain=False)
+    assert started_bad >= 1
+    assert app.registry.get_sample_value("infernex_router_migrations_total") == started_bad
+
+
+def test_the_endpoint_pickers_record_says_a_generation_failed():
+    """Through a gateway the picker only watches the answer: vLLM's error event in place of the rest
+    of a stream reaches the client, and the request's record says error with the engine's code."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from router.epp.observe import ResponseWatch
+
+    finished = []
+
+    class _Svc:
+        class pd:  # noqa: N801 - the one attribute of RouterService.pd the watch reads
+            retries_recomputed = False
+
+        def _finish(self, flow):
+            finished.append(flow)
+
+    s = next(x for x in SCENARIOS if x["name"] == "completions-stream-generation-error")
+    w = ResponseWatch(_Svc(), _flow(s, False))
+    w.headers(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+        base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")]))))
+    body = s["stream"].encode()
+    w.body(body[:100], False)
+    w.body(body[100:], True)
+    assert w.finish()
+    (f,) = finished
+    assert f.status == "error" and f.http_status == 500 and "InternalServerError" in f.error
+    assert f.out_tokens == 2

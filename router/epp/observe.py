@@ -99,7 +99,13 @@ class ResponseWatch:
         ``cancelled``."""
         if not self.seen:
             return False
-        if not self.ended and self.flow.status == "ok":
-            self.flow.status = "cancelled"
-        self.svc._finish(self.flow)
+        f = self.flow
+        if f.engine_error is not None and f.status == "ok":
+            # the engine ended the stream with an error event (vLLM: a generation that failed); the
+            # gateway passed it to the client, and the record says so
+            code, etype, msg = f.engine_error
+            f.status, f.http_status, f.error = "error", code, f"engine error mid-stream: {etype}: {msg}"[:500]
+        elif not self.ended and f.status == "ok":
+            f.status = "cancelled"
+        self.svc._finish(f)
         return True
