@@ -582,6 +582,16 @@ class SimEngine:
             # upstream MooncakeConnector: the decode side is told where to pull by the proxy
             # (transfer_id, remote_bootstrap_addr, remote_engine_id); the prefill answer carries none
             return None
+        if self.config.kv_connector == "nixl":
+            # vLLM 0.33's NixlConnector (pull mode): these fields in this order, the block ids per KV
+            # cache group (one group here); tests/fixtures/vllm/0.33.0/openai.json nixl_kv_transfer_params
+            return {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [t.block_ids],
+                "remote_engine_id": self.engine_id, "remote_request_id": t.transfer_id,
+                "remote_host": self.host, "remote_port": self._port, "tp_size": self.config.tensor_parallel_size,
+                "dcp_size": 1, "pp_size": 1, "remote_num_tokens": out.num_prompt_tokens,
+                "remote_blocks_expiry_time": None, "remote_registration_generation": 0, "transfer_mode": "pull",
+            }
         return {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": t.block_ids,
             "remote_engine_id": self.engine_id, "remote_request_id": t.transfer_id,
@@ -628,6 +638,8 @@ class SimEngine:
             raise ApiError(400, f"engine role {role} cannot take kv_transfer_params with do_remote_prefill")
         engine_id, tid, host, port = self._consumer_fields(params)
         block_ids = params.get("remote_block_ids")
+        if isinstance(block_ids, list) and len(block_ids) == 1 and isinstance(block_ids[0], list):
+            block_ids = block_ids[0]  # (vLLM's NixlConnector: the ids per KV cache group; one group here)
         if params.get("remote_block_size", self.config.block_size) != self.config.block_size:
             raise ApiError(400, "remote block size differs from this engine's block size")
         peer = self.peers.get(engine_id)

@@ -262,3 +262,32 @@ def test_the_endpoint_pickers_record_says_a_generation_failed():
     (f,) = finished
     assert f.status == "error" and f.http_status == 500 and "InternalServerError" in f.error
     assert f.out_tokens == 2
+
+
+def test_the_simulators_nixl_prefill_answer_carries_vllms_fields():
+    """A prefill engine's answer (do_remote_decode) carries the kv_transfer_params vLLM 0.33's
+    NixlConnector returns: the same fields in the same order, block ids per KV cache group; a decode
+    engine takes them and pulls the prompt's KV."""
+    import json as _json
+
+    from fixtures.vllm import HERE, OPENAI_VERSION
+
+    want = _json.loads((HERE / OPENAI_VERSION / "openai.json").read_text())["nixl_kv_transfer_params"]
+    specs = [EngineSpec(EngineConfig(engine_id="p", served_model_name="sim", num_gpu_blocks=512, role="kv_producer")),
+             EngineSpec(EngineConfig(engine_id="d", served_model_name="sim", num_gpu_blocks=512, role="kv_consumer"))]
+    c = SimCluster(specs, time_scale=50).start()
+    try:
+        body = {"model": "sim", "prompt": "a prompt long enough for a couple of blocks " * 4, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                       "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+        r = httpx.post(c[0].url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        kvp = r.json()["kv_transfer_params"]
+        assert list(kvp) == want
+        assert isinstance(kvp["remote_block_ids"], list) and all(isinstance(g, list) for g in kvp["remote_block_ids"])
+        dec = httpx.post(c[1].url + "/v1/completions", json={**body, "max_tokens": 3, "kv_transfer_params": kvp},
+                         timeout=30)
+        assert dec.status_code == 200, dec.text
+        assert dec.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the pulled KV counts as cached
+    finally:
+        c.stop()
