@@ -134,6 +134,8 @@ class ReplicaSync:
                                "over, or gone before its prefill) shared with the other replicas (sent), applied "
                                "to their routes (received), or left out of a full message (dropped)",
                                ["direction"], registry=registry)
+        for d in ("sent", "received", "dropped"):  # (at 0 from the start: a rate or an increase sees the first)
+            self._m_ends.labels(d)
 
     async def start(self) -> None:
         self._changed = asyncio.Event()

@@ -945,6 +945,7 @@ class RouterService:
         c = self._m_picks.get((pod, stage))
         if c is None:
             c = self._m_picks[(pod, stage)] = self.metrics.picks.labels(pod, stage)
+            self.metrics.uncounted_cache.labels(pod)  # (at 0 from the engine's first pick: increase() sees the first)
         c.inc()
 
     def _note_route(self, flow: _Flow, d: Decision) -> None:
