@@ -115,10 +115,12 @@ ROUTER = Dashboard(
                         "the routes of finished or failed requests, which the others stop counting as the "
                         "engine's predicted blocks."),
         Panel("Answers without cached-token counts", [
-            (f"sum by (pod) (rate(infernex_router_answers_without_cached_tokens_total[{RI}]))", "{{pod}}")],
+            (f"sum by (pod, reason) (rate(infernex_router_answers_without_cached_tokens_total[{RI}]))",
+             "{{pod}} {{reason}}")],
             unit="reqps",
-            description="Answers whose usage had no prompt_tokens_details.cached_tokens: the engine runs "
-                        "without --enable-prompt-tokens-details, and its request records count 0 cached tokens."),
+            description="Answers that did not say how many prompt tokens came from the engine's cache, so their "
+                        "records count 0. no_details: the engine runs without --enable-prompt-tokens-details. "
+                        "no_usage: streams through the endpoint picker whose clients did not ask for usage."),
     ],
 )
 

@@ -120,8 +120,10 @@ class RouterMetrics:
                                 registry=registry)
         self.uncounted_cache = Counter(
             "infernex_router_answers_without_cached_tokens_total",
-            "Answers whose usage had no prompt_tokens_details.cached_tokens (vLLM started without "
-            "--enable-prompt-tokens-details): their records count 0 cached tokens", ["pod"], registry=registry)
+            "Answers that did not say how many prompt tokens the engine took from its cache, so their records "
+            "count 0: reason no_details, a usage without prompt_tokens_details (vLLM started without "
+            "--enable-prompt-tokens-details); no_usage, no usage at all (a stream through the endpoint picker "
+            "whose client did not ask for it)", ["pod", "reason"], registry=registry)
         self.regret = fast.histogram("infernex_router_regret_blocks",
                                      "Best cached prefix any backend had minus the one chosen, in blocks",
                                      ["strategy"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
@@ -159,7 +161,7 @@ class RouterService:
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
         self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
         self._m_requests: dict[str, Any] = {}
-        self._warned_no_cached: set[str] = set()  # backends said to report no cached tokens (once each)
+        self._warned_no_cached: set[tuple[str, str]] = set()  # (backend, reason) said once each
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
         self.pd = PdProtocol(cfg.pd)
@@ -945,7 +947,8 @@ class RouterService:
         c = self._m_picks.get((pod, stage))
         if c is None:
             c = self._m_picks[(pod, stage)] = self.metrics.picks.labels(pod, stage)
-            self.metrics.uncounted_cache.labels(pod)  # (at 0 from the engine's first pick: increase() sees the first)
+            for why in ("no_details", "no_usage"):  # (at 0 from the engine's first pick: increase() sees the first)
+                self.metrics.uncounted_cache.labels(pod, why)
         c.inc()
 
     def _note_route(self, flow: _Flow, d: Decision) -> None:
@@ -1278,16 +1281,22 @@ class RouterService:
 
             self.records.submit_decision(build, msg_id=f"dec:{flow.rid}:{st.stage}:{now}")
 
-    def _no_cached_report(self, pod: str) -> None:
-        """An engine answered with usage but no cached-token count: vLLM sends
-        ``prompt_tokens_details`` only when started with ``--enable-prompt-tokens-details``, and
-        without it every record of that engine says 0 cached tokens (the SLA history's prefix hit
-        rate with them). Counted per engine, and said once per engine in the log."""
-        self.metrics.uncounted_cache.labels(pod).inc()
-        if pod not in self._warned_no_cached:
-            self._warned_no_cached.add(pod)
-            log.warning("backend %s reports no cached tokens in its usage (start vLLM with "
-                        "--enable-prompt-tokens-details); its request records count 0 cached tokens", pod)
+    def _no_cached_report(self, pod: str, reason: str) -> None:
+        """An answer that did not say how many prompt tokens the engine took from its cache, so its
+        record says 0 (and the SLA history's prefix hit rate with it). ``no_details``: vLLM sends
+        ``prompt_tokens_details`` only when started with ``--enable-prompt-tokens-details``.
+        ``no_usage``: no usage at all, as a stream through the endpoint picker carries none unless
+        its client asks (the HTTP router asks on the client's behalf and drops the usage chunk).
+        Counted per engine and reason, and said once per engine and reason in the log."""
+        self.metrics.uncounted_cache.labels(pod, reason).inc()
+        if (pod, reason) not in self._warned_no_cached:
+            self._warned_no_cached.add((pod, reason))
+            if reason == "no_details":
+                log.warning("backend %s reports no cached tokens in its usage (start vLLM with "
+                            "--enable-prompt-tokens-details); its request records count 0 cached tokens", pod)
+            else:
+                log.warning("answers from backend %s carry no usage (streams whose clients did not set "
+                            "stream_options.include_usage); their request records count 0 cached tokens", pod)
 
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0
@@ -1298,8 +1307,8 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
-        if flow.prompt_tokens_reported is not None and not flow.cached_reported and flow.pods:
-            self._no_cached_report(flow.pods[-1])
+        if not flow.cached_reported and flow.status == "ok" and flow.pods:
+            self._no_cached_report(flow.pods[-1], "no_details" if flow.prompt_tokens_reported is not None else "no_usage")
         role = "pd" if flow.prefill_pod else "aggregated"
         hs = self._m_role.get(role)
         if hs is None:

@@ -177,8 +177,10 @@ def test_promtool_names_an_engine_that_reports_no_cached_tokens(tmp_path):
     assert "InferNexEngineReportsNoCachedTokens" in alerts
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
-    series = [{"series": 'infernex_router_answers_without_cached_tokens_total{pod="engine-b"}', "values": "0+6x20"},
-              {"series": 'infernex_router_answers_without_cached_tokens_total{pod="engine-a"}', "values": "3x20"}]
+    name = "infernex_router_answers_without_cached_tokens_total"
+    series = [{"series": f'{name}{{pod="engine-b",reason="no_details"}}', "values": "0+6x20"},
+              {"series": f'{name}{{pod="engine-a",reason="no_details"}}', "values": "3x20"},
+              {"series": f'{name}{{pod="engine-a",reason="no_usage"}}', "values": "0+6x20"}]  # (another cause)
     test = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
         "alert_rule_test": [{"eval_time": "10m", "alertname": "InferNexEngineReportsNoCachedTokens", "exp_alerts": [

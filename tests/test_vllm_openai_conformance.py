@@ -169,8 +169,10 @@ async def test_an_engine_without_cached_token_reports_is_counted_and_named(engin
     finally:
         await app.stop(drain=False)
     count = app.registry.get_sample_value
-    assert count("infernex_router_answers_without_cached_tokens_total", {"pod": "without"}) == 3
-    assert count("infernex_router_answers_without_cached_tokens_total", {"pod": "with"}) == 0  # (there, at 0)
+    name = "infernex_router_answers_without_cached_tokens_total"
+    assert count(name, {"pod": "without", "reason": "no_details"}) == 3
+    assert count(name, {"pod": "with", "reason": "no_details"}) == 0  # (there, at 0)
+    assert count(name, {"pod": "without", "reason": "no_usage"}) == 0  # (streams: the router asked for usage)
     said = [r.getMessage() for r in caplog.records if "--enable-prompt-tokens-details" in r.getMessage()]
     assert len(said) == 1 and "without" in said[0]
 
@@ -291,3 +293,24 @@ def test_the_simulators_nixl_prefill_answer_carries_vllms_fields():
         assert dec.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the pulled KV counts as cached
     finally:
         c.stop()
+
+
+def test_a_record_without_any_usage_is_counted_apart():
+    """Through the endpoint picker a stream carries no usage unless its client asks: its record says
+    0 cached tokens for another reason than a missing flag, and is counted as such."""
+    from prometheus_client import CollectorRegistry
+
+    from router.config import RouterConfig
+    from router.server import RouterService
+
+    reg = CollectorRegistry()
+    svc = RouterService(RouterConfig(bus=False, records=False), registry=reg)
+    s = next(x for x in SCENARIOS if x["name"] == "completions-stream")  # (no usage in it)
+    f = _flow(s, False)
+    for ev in sse_events(s["stream"]):
+        answer.on_event(f, ev)
+    f.pods = ["e-1"]
+    svc._finish(f)
+    name = "infernex_router_answers_without_cached_tokens_total"
+    assert reg.get_sample_value(name, {"pod": "e-1", "reason": "no_usage"}) == 1
+    assert reg.get_sample_value(name, {"pod": "e-1", "reason": "no_details"}) is None
