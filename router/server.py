@@ -65,6 +65,8 @@ _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
 _UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 _RID = "rid"
+#: the log names an engine whose answers lack cached-token counts after this many of them
+_WARN_AFTER = 20
 _JSON = "application/json"
 _BACKEND_HEADER = "X-InferNex-Backend"
 _UNSET: Any = object()  # (an argument not given)
@@ -161,7 +163,8 @@ class RouterService:
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
         self._m_overlap_chosen = self.metrics.overlap.labels(name, "chosen")
         self._m_requests: dict[str, Any] = {}
-        self._warned_no_cached: set[tuple[str, str]] = set()  # (backend, reason) said once each
+        self._no_cached_n: dict[tuple[str, str], int] = {}  # (backend, reason) -> answers without cached tokens
+        self._reports_cached: set[str] = set()  # backends that have reported cached tokens (run with the flag)
         self._m_picks: dict[tuple[str, str], Any] = {}
         self.records = records
         self.pd = PdProtocol(cfg.pd)
@@ -1287,16 +1290,19 @@ class RouterService:
         ``prompt_tokens_details`` only when started with ``--enable-prompt-tokens-details``.
         ``no_usage``: no usage at all, as a stream through the endpoint picker carries none unless
         its client asks (the HTTP router asks on the client's behalf and drops the usage chunk).
-        Counted per engine and reason, and said once per engine and reason in the log."""
+        ``no_details`` is counted only for an engine that has never reported cached tokens: vLLM 0.22
+        and before send them only when the prompt took some from the cache. Counted per engine and
+        reason, and said once per engine and reason in the log, after :data:`_WARN_AFTER` answers
+        (not at an engine's first answers, which no cache can serve)."""
         self.metrics.uncounted_cache.labels(pod, reason).inc()
-        if (pod, reason) not in self._warned_no_cached:
-            self._warned_no_cached.add((pod, reason))
+        n = self._no_cached_n[(pod, reason)] = self._no_cached_n.get((pod, reason), 0) + 1
+        if n == _WARN_AFTER:
             if reason == "no_details":
-                log.warning("backend %s reports no cached tokens in its usage (start vLLM with "
-                            "--enable-prompt-tokens-details); its request records count 0 cached tokens", pod)
+                log.warning("backend %s reported no cached tokens in its usage in %d answers (start vLLM with "
+                            "--enable-prompt-tokens-details); its request records count 0 cached tokens", pod, n)
             else:
-                log.warning("answers from backend %s carry no usage (streams whose clients did not set "
-                            "stream_options.include_usage); their request records count 0 cached tokens", pod)
+                log.warning("%d answers from backend %s carried no usage (streams whose clients did not set "
+                            "stream_options.include_usage); their request records count 0 cached tokens", n, pod)
 
     def _finish(self, flow: _Flow) -> None:
         e2e = time.perf_counter() - flow.t0
@@ -1307,8 +1313,17 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
-        if not flow.cached_reported and flow.status == "ok" and flow.pods:
-            self._no_cached_report(flow.pods[-1], "no_details" if flow.prompt_tokens_reported is not None else "no_usage")
+        if flow.pods and flow.status == "ok":
+            pod = flow.pods[-1]
+            if flow.cached_reported:
+                if pod not in self._reports_cached:
+                    self._reports_cached.add(pod)
+            elif flow.prompt_tokens_reported is None:
+                self._no_cached_report(pod, "no_usage")
+            elif pod not in self._reports_cached:
+                # (an engine that has reported cached tokens runs with the flag: vLLM 0.22 and before
+                # leave them out of an answer whose prompt took nothing from the cache)
+                self._no_cached_report(pod, "no_details")
         role = "pd" if flow.prefill_pod else "aggregated"
         hs = self._m_role.get(role)
         if hs is None:

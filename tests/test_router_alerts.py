@@ -179,7 +179,7 @@ def test_promtool_names_an_engine_that_reports_no_cached_tokens(tmp_path):
     rules.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
     name = "infernex_router_answers_without_cached_tokens_total"
     series = [{"series": f'{name}{{pod="engine-b",reason="no_details"}}', "values": "0+6x20"},
-              {"series": f'{name}{{pod="engine-a",reason="no_details"}}', "values": "3x20"},
+              {"series": f'{name}{{pod="engine-a",reason="no_details"}}', "values": "0+1x20"},  # (10: under 20)
               {"series": f'{name}{{pod="engine-a",reason="no_usage"}}', "values": "0+6x20"}]  # (another cause)
     test = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
@@ -188,7 +188,8 @@ def test_promtool_names_an_engine_that_reports_no_cached_tokens(tmp_path):
              "exp_annotations": {
                  "summary": "An engine's answers do not say how many prompt tokens it took from its cache",
                  "description": "engine-b answered 60 requests in 10 minutes without usage.prompt_tokens_details."
-                                "cached_tokens: its request records count 0 cached tokens and the SLA history's "
+                                "cached_tokens, and none with it: its request records count 0 cached tokens and "
+                                "the SLA history's "
                                 "prefix hit rate reads low. Start it with --enable-prompt-tokens-details (the "
                                 "chart's default; promptTokensDetails on its role)."}}]}]}]}
     path = tmp_path / "test.yaml"

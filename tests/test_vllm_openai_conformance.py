@@ -161,8 +161,8 @@ async def test_an_engine_without_cached_token_reports_is_counted_and_named(engin
     url = await app.start("127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as s:
-            for i in range(6):
-                body = {"model": "sim", "prompt": f"question {i}", "max_tokens": 2, "stream": i % 2 == 0}
+            for i in range(44):  # (round-robin: 22 each; the log speaks after 20)
+                body = {"model": "sim", "prompt": f"question {i}", "max_tokens": 2, "stream": i % 4 < 2}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     assert r.status == 200
                     await r.read()
@@ -170,7 +170,7 @@ async def test_an_engine_without_cached_token_reports_is_counted_and_named(engin
         await app.stop(drain=False)
     count = app.registry.get_sample_value
     name = "infernex_router_answers_without_cached_tokens_total"
-    assert count(name, {"pod": "without", "reason": "no_details"}) == 3
+    assert count(name, {"pod": "without", "reason": "no_details"}) == 22
     assert count(name, {"pod": "with", "reason": "no_details"}) == 0  # (there, at 0)
     assert count(name, {"pod": "without", "reason": "no_usage"}) == 0  # (streams: the router asked for usage)
     said = [r.getMessage() for r in caplog.records if "--enable-prompt-tokens-details" in r.getMessage()]
@@ -314,3 +314,32 @@ def test_a_record_without_any_usage_is_counted_apart():
     name = "infernex_router_answers_without_cached_tokens_total"
     assert reg.get_sample_value(name, {"pod": "e-1", "reason": "no_usage"}) == 1
     assert reg.get_sample_value(name, {"pod": "e-1", "reason": "no_details"}) is None
+
+
+def test_an_engine_that_has_reported_cached_tokens_is_not_counted_when_it_leaves_them_out():
+    """vLLM 0.22 and before send prompt_tokens_details only when the prompt took some tokens from the
+    cache (``if enable_prompt_tokens_details and num_cached_tokens``; 0.33 sends it whenever the flag
+    is on): an engine that reported them once runs with the flag, and its later answers without
+    them say 0 cached tokens truly. Before that first report, its answers count as without."""
+    from prometheus_client import CollectorRegistry
+
+    from router.config import RouterConfig
+    from router.server import RouterService
+
+    reg = CollectorRegistry()
+    svc = RouterService(RouterConfig(bus=False, records=False), registry=reg)
+
+    def answer_with(usage: dict) -> None:
+        f = _flow(next(x for x in SCENARIOS if x["name"] == "completions-stream"), False)
+        answer.account_usage(f, usage)
+        f.pods = ["old-vllm"]
+        svc._finish(f)
+
+    plain = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    answer_with(plain)  # (its first answers: nothing cached yet, so no details from vLLM 0.22)
+    answer_with(plain)
+    answer_with({**plain, "prompt_tokens_details": {"cached_tokens": 32}})
+    for _ in range(5):
+        answer_with(plain)
+    name = "infernex_router_answers_without_cached_tokens_total"
+    assert reg.get_sample_value(name, {"pod": "old-vllm", "reason": "no_details"}) == 2
