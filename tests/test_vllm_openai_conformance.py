@@ -1,6 +1,6 @@
 """The engine's OpenAI answers as vLLM 0.33 itself builds them (tests/fixtures/vllm/0.33.0/openai.json,
-made from the release's own response classes by make_openai_fixtures.py): the router reads them
-right (text so far, output, prompt and cached tokens, the end of a stream, the usage chunk it
+made from the release's own response classes by make_openai_fixtures.py; 0.11.2's too, which
+serializes them differently): the router reads them right (text so far, output, prompt and cached tokens, the end of a stream, the usage chunk it
 asked for on the client's behalf), and the simulator answers in the same shape."""
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from simulator.config import EngineConfig
 from fixtures.vllm import openai_answers, sse_events
 
 SCENARIOS = openai_answers()
-STREAMED = [s for s in SCENARIOS if "stream" in s and "error" not in s["expect"]]
+#: what the router reads: 0.33's answers and an older release's (vllm-ascend follows vLLM with a lag)
+READ = [{**s, "name": f"0.33.0-{s['name']}"} for s in SCENARIOS] + [
+    {**s, "name": f"0.11.2-{s['name']}"} for s in openai_answers("0.11.2")]
+STREAMED = [s for s in READ if "stream" in s and "error" not in s["expect"]]
 FAILING = [s for s in SCENARIOS if "stream" in s and "error" in s["expect"]]
-WHOLE = [s for s in SCENARIOS if "json" in s and s.get("status", 200) == 200 and "output_tokens" in s["expect"]]
+WHOLE = [s for s in READ if "json" in s and s.get("status", 200) == 200 and "output_tokens" in s["expect"]]
 
 
 def _flow(s: dict, wants_usage: bool) -> Flow:
