@@ -290,27 +290,28 @@ class ReplicaSync:
         self._m_ends.labels("sent").inc(len(ends))
 
     # -- receiving ----------------------------------------------------------------------
-    async def _on_msg(self, msg) -> None:
+    async def _from_peer(self, model, msg):  # noqa: ANN001, ANN202 - a schema class, a nats-py message
+        """``msg`` decoded as ``model`` when another replica of this pool sent it, else None (a
+        message that does not decode is dead-lettered with the reason)."""
         try:
-            load = decode_event(ReplicaLoad, msg.data)
+            ev = decode_event(model, msg.data)
         except ValidationFailure as exc:
             await self.dead.send(S.ROUTER, msg.subject, msg.data, str(exc))
-            return
-        if load.replica == self.replica or load.pool != self.pool:
-            return  # our own (a connection with echo) or another pool's replica on a shared subject
+            return None
+        if ev.replica == self.replica or ev.pool != self.pool:
+            return None  # our own (a connection with echo) or another pool's replica on a shared subject
         self._m_msgs.labels("received").inc()
-        self.apply(load, time.monotonic())
+        return ev
+
+    async def _on_msg(self, msg) -> None:
+        load = await self._from_peer(ReplicaLoad, msg)
+        if load is not None:
+            self.apply(load, time.monotonic())
 
     async def _on_ends_msg(self, msg) -> None:
-        try:
-            ends = decode_event(RouteEnds, msg.data)
-        except ValidationFailure as exc:
-            await self.dead.send(S.ROUTER, msg.subject, msg.data, str(exc))
-            return
-        if ends.replica == self.replica or ends.pool != self.pool:
-            return
-        self._m_msgs.labels("received").inc()
-        self.apply_ends(ends, time.monotonic())
+        ends = await self._from_peer(RouteEnds, msg)
+        if ends is not None:
+            self.apply_ends(ends, time.monotonic())
 
     def apply_ends(self, ends: RouteEnds, now: float) -> None:
         """End the routes a replica recorded here that it says have ended; held until its load

@@ -1316,8 +1316,7 @@ class RouterService:
         if flow.pods and flow.status == "ok":
             pod = flow.pods[-1]
             if flow.cached_reported:
-                if pod not in self._reports_cached:
-                    self._reports_cached.add(pod)
+                self._reports_cached.add(pod)
             elif flow.prompt_tokens_reported is None:
                 self._no_cached_report(pod, "no_usage")
             elif pod not in self._reports_cached:
