@@ -69,6 +69,10 @@ class RouterConfig(_S):
                                  description="also serve the GIE endpoint picker (Envoy ext_proc, gRPC) on this port")
     epp_fallbacks: int = Field(default=0, ge=0, le=8,
                                description="next-best endpoints the picker lists after its pick (proxy retries)")
+    epp_ask_usage: bool = Field(
+        default=True, description="the picker asks the engine for usage on a stream whose client did not (so its "
+        "request record has token and cached-token counts) and takes the usage event out of the answer; only when "
+        "the gateway relays response bodies in FULL_DUPLEX_STREAMED mode")
     backends: list[StaticBackend] = Field(default_factory=list)
     kubernetes: KubernetesDiscovery = Field(default_factory=KubernetesDiscovery)
     bus: bool = Field(default=True, description="discovery, load, health and KV state from NATS")

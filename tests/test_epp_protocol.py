@@ -45,12 +45,14 @@ async def epp():
         await srv.stop(0)
 
 
-def headers_msg(path="/v1/chat/completions", mode=DUPLEX, subset=None, eos=False, extra=()):
+def headers_msg(path="/v1/chat/completions", mode=DUPLEX, subset=None, eos=False, extra=(), response_mode=None):
     hs = [(":method", "POST"), (":path", path), ("content-type", "application/json"), *extra]
     req = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
         headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]),
         end_of_stream=eos))
     req.protocol_config.request_body_mode = mode
+    if response_mode is not None:
+        req.protocol_config.response_body_mode = response_mode
     if subset is not None:
         s = struct_pb2.Struct()
         s.update({P.SUBSET: subset})
@@ -276,3 +278,123 @@ async def test_a_picked_prompt_counts_as_predicted_on_its_endpoint(epp):
             m = svc.index.match_tokens(MODEL, ids).get(pod)
             assert m is not None and m.predicted_blocks == m.matched_blocks >= (len(ids) - 1) // 16
     assert len(set(picked)) == 1
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+_DELTA = _sse({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+               "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]})
+_USAGE = _sse({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": [],
+               "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
+                         "prompt_tokens_details": {"cached_tokens": 8}}})
+
+
+def _response(status=200, ctype="text/event-stream"):
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+        base_pb2.HeaderValue(key="content-type", raw_value=ctype.encode())])))
+
+
+def _response_body(data: bytes, eos=False):
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+def _records(svc):
+    from prometheus_client import CollectorRegistry
+
+    from router.records import RecordSink
+
+    svc.records = RecordSink("default", registry=CollectorRegistry())
+    return svc.records
+
+
+def _sent(out, mode) -> bytes:
+    """The request body as the picker hands it to Envoy."""
+    if mode == BUFFERED:
+        body = [m.request_body.response.body_mutation.body for m in out if m.WhichOneof("response") == "request_body"]
+        return body[0] if body else b""
+    return b"".join(m.request_body.response.body_mutation.streamed_response.body for m in out
+                    if m.WhichOneof("response") == "request_body")
+
+
+def _mutation(out) -> pb.CommonResponse:
+    """The header mutation that carries the pick (on the headers in full duplex, on the body when buffered)."""
+    for m in out:
+        which = m.WhichOneof("response")
+        if which in ("request_headers", "request_body"):
+            common = getattr(m, which).response
+            if P.DESTINATION in set_headers(common):
+                return common
+    raise AssertionError("no pick")
+
+
+@pytest.mark.parametrize("mode", [DUPLEX, BUFFERED])
+async def test_a_stream_without_usage_is_asked_for_it_and_the_usage_event_taken_out(epp, mode):
+    """The gateway relays the answer in full duplex: the picker adds include_usage to the request
+    (content-length to match), then removes the usage event from the answer, wherever the gateway
+    cut it, and the record has the engine's counts."""
+    svc, _, stub, _ = await epp()
+    sink = _records(svc)
+    body = chat("hello", stream=True, stream_options={"continuous_usage_stats": False})
+    cut = len(_USAGE) // 2
+    out = await converse(stub, [headers_msg(mode=mode, response_mode=DUPLEX),
+                                *body_msgs(body, chunk=1 << 30 if mode == BUFFERED else 16),
+                                _response(), _response_body(_DELTA + _USAGE[:cut]),
+                                _response_body(_USAGE[cut:]),  # nothing whole: no answer to this one
+                                _response_body(b"data: [DONE]\n\n", eos=True)])
+    sent = _sent(out, mode)
+    assert msgspec.json.decode(sent) == {**msgspec.json.decode(body),
+                                         "stream_options": {"continuous_usage_stats": False, "include_usage": True}}
+    assert set_headers(_mutation(out))["content-length"] == str(len(sent))
+    back = [m.response_body.response.body_mutation.streamed_response for m in out
+            if m.WhichOneof("response") == "response_body"]
+    assert [(b.body, b.end_of_stream) for b in back] == [(_DELTA, False), (b"data: [DONE]\n\n", True)]
+    rec = [ev for subj, ev, _ in (sink.queue.get_nowait() for _ in range(sink.queue.qsize()))
+           if subj.startswith("router.requests")]
+    assert len(rec) == 1
+    from router.records import RecordSink
+
+    r = RecordSink.build(rec[0])
+    assert (r.prompt_tokens, r.cached_tokens, r.output_tokens) == (9, 8, 1)
+    assert not any(svc.registry.get_sample_value("infernex_router_answers_without_cached_tokens_total",
+                                                 {"pod": f"p{i}", "reason": "no_usage"}) for i in range(3))
+
+
+@pytest.mark.parametrize("case", ["response_streamed", "response_none", "no_protocol_config", "not_a_stream",
+                                  "client_asked", "setting_off", "request_streamed"])
+async def test_no_usage_question_when_the_client_would_see_the_answer(epp, case):
+    """The body goes upstream as the client sent it when the picker could not take the usage
+    event out of the answer (the gateway does not relay it chunk by chunk in full duplex), when
+    the answer has usage anyway, or when the setting is off."""
+    svc, _, stub, _ = await epp(**({"epp_ask_usage": False} if case == "setting_off" else {}))
+    _records(svc)
+    body = chat("hello", stream=case != "not_a_stream",
+                **({"stream_options": {"include_usage": True}} if case == "client_asked" else {}))
+    mode = processing_mode_pb2.ProcessingMode.STREAMED if case == "request_streamed" else DUPLEX
+    rmode = {"response_streamed": processing_mode_pb2.ProcessingMode.STREAMED,
+             "response_none": processing_mode_pb2.ProcessingMode.NONE}.get(case, DUPLEX)
+    h = headers_msg(mode=mode, response_mode=rmode)
+    if case == "no_protocol_config":
+        h.ClearField("protocol_config")
+    out = await converse(stub, [h, *body_msgs(body)])
+    if case == "request_streamed":
+        assert not any(m.request_body.response.body_mutation.ListFields() for m in out[1:])
+    elif case == "no_protocol_config":  # (read as buffered: the body is answered without a mutation)
+        assert not out[-1].request_body.response.body_mutation.ListFields()
+    else:
+        assert _sent(out, DUPLEX) == body
+    assert "content-length" not in set_headers(_mutation(out))
+
+
+async def test_an_error_answer_is_handed_back_unchanged(epp):
+    svc, _, stub, _ = await epp()
+    _records(svc)
+    err = b'{"error": {"message": "bad", "usage": {}, "choices": []}}'
+    out = await converse(stub, [headers_msg(response_mode=DUPLEX), *body_msgs(chat("x", stream=True)),
+                                _response(400, "application/json"), _response_body(err[:10]),
+                                _response_body(err[10:], eos=True)])
+    back = [m.response_body.response.body_mutation.streamed_response.body for m in out
+            if m.WhichOneof("response") == "response_body"]
+    assert back == [err[:10], err[10:]]

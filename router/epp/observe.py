@@ -9,6 +9,9 @@ counted (``infernex_router_epp_unobserved_total``) and no record is written.
 
 The SSE events are read with the router's own event accounting (:func:`router.flow.on_event`),
 and the record is built by :meth:`RouterService._finish`, so both paths measure the same way.
+A stream carries its token counts only in a usage event, which vLLM sends when the request asks
+for it; the picker asks on the client's behalf when it can take that event out of the answer
+again (see :mod:`router.epp.service`), and this watch reads the event as the client never does.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ JSON_KEEP = 1 << 20
 class ResponseWatch:
     """One request's response as the gateway relays it to the picker."""
 
-    __slots__ = ("svc", "flow", "seen", "ended", "_buf", "_sse", "_json", "_overflow")
+    __slots__ = ("svc", "flow", "seen", "ended", "_buf", "sse", "_json", "_overflow")
 
     def __init__(self, svc: RouterService, flow: Flow):
         self.svc = svc
@@ -41,7 +44,7 @@ class ResponseWatch:
         self.seen = False  # response headers arrived
         self.ended = False
         self._buf = bytearray()
-        self._sse: bool | None = None
+        self.sse: bool | None = None  # the answer is a stream of server-sent events
         self._json = bytearray()
         self._overflow = False
 
@@ -58,7 +61,7 @@ class ResponseWatch:
             f.status = "rejected" if status == 429 else "error"
             f.error = f"HTTP {status} from {f.decode_pod or '?'}"
         ctype = h.get("content-type", "")
-        self._sse = "text/event-stream" in ctype
+        self.sse = "text/event-stream" in ctype
         if req.response_headers.end_of_stream:
             self.ended = True
 
@@ -67,7 +70,7 @@ class ResponseWatch:
             return
         f = self.flow
         if chunk and f.status == "ok":
-            if self._sse:
+            if self.sse:
                 self._buf += chunk
                 while True:
                     i = self._buf.find(b"\n\n")
@@ -84,10 +87,10 @@ class ResponseWatch:
                     self._json += chunk
         if end:
             self.ended = True
-            if self._sse and self._buf and f.status == "ok":
+            if self.sse and self._buf and f.status == "ok":
                 answer.on_event(f, bytes(self._buf), retries_recomputed=self.svc.pd.retries_recomputed)
                 self._buf.clear()
-            if not self._sse and f.status == "ok":
+            if not self.sse and f.status == "ok":
                 if self._json and not self._overflow:
                     answer.account_json(f, bytes(self._json))
                 else:

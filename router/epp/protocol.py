@@ -121,6 +121,17 @@ def streamed_body(body: bytes, *, response: bool = False) -> list[pb.ProcessingR
     return out
 
 
+def streamed_response_chunk(body: bytes, end: bool) -> pb.ProcessingResponse:
+    """One chunk of the response body handed back in FULL_DUPLEX_STREAMED mode."""
+    mut = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end))
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mut)))
+
+
+def set_content_length(common: pb.CommonResponse, n: int) -> None:
+    """The request body was changed: its new length, in the header mutation that goes with it."""
+    common.header_mutation.set_headers.append(_set("content-length", str(n)))
+
+
 def immediate(status: int, message: str, code: str, type_: str = "service_unavailable",
               retry_after: int | None = None) -> pb.ProcessingResponse:
     """An OpenAI-shaped error answered by the proxy itself (the request goes nowhere)."""

@@ -19,6 +19,17 @@ engine until the engine's KV events say what it holds, as in the HTTP router, so
 new prefix goes to one engine. Each pick is published as a routing decision (with its inputs, for ``replay explain``) and,
 when the gateway relays the response, as a request record for the SLA history
 (:mod:`router.epp.observe`).
+
+Token counts for streams: vLLM sends a stream's usage (prompt, completion and cached tokens) only
+to a client that sets ``stream_options.include_usage``, and most OpenAI clients do not. When the
+picker writes request records, the gateway relays the answer in ``FULL_DUPLEX_STREAMED`` mode
+and the request body came whole to the picker (``FULL_DUPLEX_STREAMED`` or ``BUFFERED``), the
+picker asks for usage on the client's behalf: it sends the body on with ``include_usage`` (and
+the matching ``content-length``), reads the usage for the record and takes the usage event out of
+the answer (:mod:`router.epp.usage`), so the client gets what it would have got. With any other response mode the client would see
+the usage event, so the body goes on as it came and such a record counts 0 cached tokens
+(``infernex_router_answers_without_cached_tokens_total{reason="no_usage"}``). Setting
+``epp_ask_usage: false`` turns the question off.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp import protocol as P
+from router.epp import usage
 from router.epp.observe import ResponseWatch
 from router.flow import Flow
 from router.server import ApiError
@@ -51,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+_BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 _HEALTH_NAMES = ("", "liveness", "readiness", P.SERVICE)
 
 
@@ -60,8 +73,11 @@ class _Req:
     subset: frozenset[str] | None = None
     duplex: bool = False
     streamed: bool = False  # STREAMED: the headers go upstream before the body reaches us
+    buffered: bool = False
     response_duplex: bool = False
     body: bytearray = field(default_factory=bytearray)
+    sent: bytes | None = None  # the body as it goes upstream, when the picker changed it
+    strip: usage.UsageStrip | None = None  # the usage event the picker asked for, taken out of the answer
     picked: list[tuple[BackendState, int, int]] = field(default_factory=list)  # (backend, tokens, prefill)
     t0: float = 0.0  # perf_counter when the headers arrived
     arrival: float = 0.0  # wall time of the same
@@ -85,6 +101,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.rejects: dict[int, int] = {}
         self._warned_streamed = False
         self._warned_unobserved = False
+        self.ask_usage = service.cfg.epp_ask_usage
         self.unobserved = Counter("infernex_router_epp_unobserved_total",
                                   "Picked requests whose response the gateway did not relay to the picker "
                                   "(no request record: set ext_proc response_header_mode SEND)",
@@ -178,6 +195,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             flow.decode_pod = target.pod
             flow.pods = [*([flow.prefill_pod] if flow.prefill_pod else []), target.pod]
             r.watch = ResponseWatch(svc, flow)
+            if self.ask_usage and r.response_duplex and (r.duplex or r.buffered) and usage.needs_asking(body):
+                self._ask_usage(r, body)
         if d.prefill is not None:
             svc._pick(d.prefill.pod, "prefill")
         svc._pick(target.pod, "decode" if svc.router.strategy.pd else "aggregated")
@@ -186,7 +205,21 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         r.rreq = rreq
         self.picks += 1
         eps = [self.endpoint(target), *self._fallbacks(d)]
-        return P.routing_mutation(eps, self.endpoint(d.prefill) if d.prefill is not None else None)
+        common, md = P.routing_mutation(eps, self.endpoint(d.prefill) if d.prefill is not None else None)
+        if r.sent is not None:
+            P.set_content_length(common, len(r.sent))
+            if r.buffered:
+                common.body_mutation.body = r.sent
+        return common, md
+
+    @staticmethod
+    def _ask_usage(r: _Req, body: dict[str, Any]) -> None:
+        """A stream whose client did not ask for usage: ask for it upstream (so the record gets the
+        engine's token counts) and take the usage event out of the answer (:mod:`router.epp.usage`).
+        Only when the gateway relays the answer through the picker chunk by chunk (response body
+        mode ``FULL_DUPLEX_STREAMED``): any other way, the client would get the usage event."""
+        r.sent = usage.asking(body)
+        r.strip = usage.UsageStrip()
 
     def _pick_without_body(self, cands: list[BackendState]) -> tuple[pb.CommonResponse, Any]:
         ok = [b for b in cands if b.health != "critical" and not b.circuit_open and not b.draining]
@@ -244,6 +277,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         pc = req.protocol_config
                         r.duplex = pc.request_body_mode == _DUPLEX
                         r.streamed = pc.request_body_mode == _STREAMED
+                        r.buffered = pc.request_body_mode == _BUFFERED
                         r.response_duplex = pc.response_body_mode == _DUPLEX
                     r.headers = P.header_map(req.request_headers)
                     r.subset = P.subset_hint(req)
@@ -282,7 +316,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         return
                     if r.duplex:
                         yield P.headers_response(common, md)
-                        for m in P.streamed_body(bytes(r.body)):
+                        for m in P.streamed_body(r.sent if r.sent is not None else bytes(r.body)):
                             yield m
                     else:
                         yield P.body_response(common, md)
@@ -294,7 +328,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                             yield rej.response
                             return
                         yield P.headers_response(common, md)
-                        for m in P.streamed_body(bytes(r.body)):
+                        for m in P.streamed_body(r.sent if r.sent is not None else bytes(r.body)):
                             yield m
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif which == "response_headers":
@@ -303,19 +337,27 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         self._served(r, served)
                     if r.watch is not None:
                         r.watch.headers(req)
+                        if not r.watch.sse:  # (an error answer, or JSON: nothing to take out)
+                            r.strip = None
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
                 elif which == "response_body":
                     rb = req.response_body
                     if r.watch is not None:
                         r.watch.body(rb.body, rb.end_of_stream)
                     if r.response_duplex:  # hand each chunk straight back
-                        mut = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                            body=rb.body, end_of_stream=rb.end_of_stream))
-                        yield pb.ProcessingResponse(response_body=pb.BodyResponse(
-                            response=pb.CommonResponse(body_mutation=mut)))
+                        out = rb.body
+                        if r.strip is not None:
+                            out = r.strip.feed(out)
+                            if rb.end_of_stream:
+                                out += r.strip.flush()
+                            elif not out:  # only part of an event: it goes on with its rest
+                                continue
+                        yield P.streamed_response_chunk(out, rb.end_of_stream)
                     else:
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
                 elif which == "response_trailers":
+                    if r.strip is not None and (rest := r.strip.flush()):
+                        yield P.streamed_response_chunk(rest, False)
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
             self._release(r)
