@@ -47,15 +47,17 @@ async def engines(*roles: str, blocks: int = 8192):
 
 @contextlib.asynccontextmanager
 async def stack(backends, *, strategy="kv-aware", nats=None, body_mode="FULL_DUPLEX_STREAMED",
-                failure_mode_allow=False, fallback=None, subset=None, observe_response=True):
+                failure_mode_allow=False, fallback=None, subset=None, observe_response=True,
+                response_body_mode=None, keep_content_length=False, **cfg):
     epp_port = free_port()
     app = RouterApp(RouterConfig(strategy=strategy, backends=backends, bus=nats is not None, records=False,
-                                 epp_port=epp_port, seed=1, kv_snapshot=None), nats)
+                                 epp_port=epp_port, seed=1, kv_snapshot=None, **cfg), nats)
     env = None
     try:
         await app.start("127.0.0.1", 0)
         cfg = envoy_config(free_port(), free_port(), ("127.0.0.1", epp_port), body_mode=body_mode,
                            failure_mode_allow=failure_mode_allow, subset=subset, observe_response=observe_response,
+                           response_body_mode=response_body_mode, keep_content_length=keep_content_length,
                            fallback=fallback or [_hp(b.url) for b in backends])
         env = await asyncio.to_thread(EnvoyProcess(cfg).start)
         async with client(env) as c:
@@ -288,3 +290,106 @@ async def test_a_gateway_that_does_not_relay_responses_is_counted_not_recorded()
                                   timeout=5)
             subjects = [sink.queue.get_nowait()[0] for _ in range(sink.queue.qsize())]
             assert [s.split(".")[1] for s in subjects] == ["decisions"]  # no request record: nothing true to say
+
+
+class Records:
+    """The request records the picker publishes, one at a time (its sink set on a running stack)."""
+
+    def __init__(self, app):
+        from router.records import RecordSink
+
+        self.sink = app.service.records = RecordSink("default", registry=CollectorRegistry())
+
+    async def next(self):
+        from router.records import RecordSink
+
+        q = self.sink.queue
+        while True:
+            assert await wait_for(lambda: q.qsize() > 0, timeout=5), "no request record"
+            subj, ev, _ = q.get_nowait()
+            if subj.startswith("router.requests"):
+                return RecordSink.build(ev)
+
+
+def no_usage(app, pod) -> float:
+    return app.registry.get_sample_value("infernex_router_answers_without_cached_tokens_total",
+                                         {"pod": pod, "reason": "no_usage"}) or 0
+
+
+def shape(chunks) -> list:
+    """What a client reads in a stream, less its ids and times."""
+    return [ch.model_dump(exclude={"id", "created", "system_fingerprint"}) for ch in chunks]
+
+
+async def read(stream) -> list:
+    return [ch async for ch in await stream]
+
+
+# The ways a gateway can relay the answer chunk by chunk in full duplex (so the picker can take the
+# usage event out): GIE's (full-duplex bodies both ways; Envoy drops the request's content-length and
+# sends the changed body chunked), the same with allow_content_length_header (the content-length the
+# picker sets goes upstream), and a buffered request (content-length must match the changed body,
+# else Envoy answers 500).
+@pytest.mark.parametrize("body_mode, response_body_mode, keep_content_length", [
+    ("FULL_DUPLEX_STREAMED", None, False), ("FULL_DUPLEX_STREAMED", None, True),
+    ("BUFFERED", "FULL_DUPLEX_STREAMED", False)])
+async def test_streams_without_stream_options_get_records_with_the_engines_usage(body_mode, response_body_mode,
+                                                                                 keep_content_length):
+    """OpenAI's client streams without stream_options: it reads the same chunks as straight from
+    the engine (no usage chunk), and the record has the prompt, completion and cached tokens the
+    engine reported; a client that asks for usage gets its usage chunk once."""
+    async with engines("aggregated") as cluster:
+        eng = cluster.engines[0]
+        backends = [StaticBackend(pod=eng.engine_id, url=eng.url, model=MODEL)]
+        direct = openai.AsyncOpenAI(base_url=eng.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        async with stack(backends, body_mode=body_mode, response_body_mode=response_body_mode,
+                         keep_content_length=keep_content_length) as (app, _env, c):
+            records = Records(app)
+            asks = {"stream_options": {"include_usage": True}}
+            for kind, create, args in [
+                    ("chat", "chat", {"messages": [{"role": "user", "content": "the cache router " * 300}]}),
+                    ("completion", "completions", {"prompt": "once upon a time " * 300})]:
+                def call(cl, create=create, args=args, **kw):
+                    api = cl.chat.completions if create == "chat" else cl.completions
+                    return api.create(model=MODEL, max_tokens=4, stream=True, **args, **kw)
+
+                # a client that asks: its usage chunk exactly once, the last (this fills the engine's cache)
+                warm = await read(call(c, **asks))
+                assert [bool(ch.usage) for ch in warm] == [False] * (len(warm) - 1) + [True], kind
+                await records.next()
+                # a client that does not ask: the engine's chunks to it, no usage chunk
+                got = await read(call(c))
+                rec = await records.next()
+                plain = await read(call(direct))
+                assert shape(got) == shape(plain), kind
+                assert not any(ch.usage for ch in got) and all(ch.choices for ch in got), kind
+                # the record holds what the engine told the picker: as it tells a client that asks
+                again = await read(call(c, **asks))
+                await records.next()
+                u = again[-1].usage
+                assert u.prompt_tokens_details.cached_tokens > 0, kind
+                assert rec.status == "ok" and rec.http_status == 200 and rec.stream, kind
+                assert (rec.prompt_tokens, rec.output_tokens, rec.cached_tokens) == (
+                    u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens), kind
+            assert no_usage(app, eng.engine_id) == 0
+
+
+@pytest.mark.parametrize("body_mode, response_body_mode, cfg", [
+    ("FULL_DUPLEX_STREAMED", "STREAMED", {}), ("BUFFERED", None, {}),  # (STREAMED answers)
+    ("FULL_DUPLEX_STREAMED", None, {"epp_ask_usage": False})])
+async def test_streams_the_picker_cannot_strip_keep_their_body_and_count_as_no_usage(body_mode,
+                                                                                     response_body_mode, cfg):
+    """A gateway that does not relay the answer chunk by chunk in full duplex (or the setting off):
+    the request goes as the client sent it (the client would get the usage chunk otherwise), and
+    its record without usage is counted as such."""
+    async with engines("aggregated") as cluster:
+        eng = cluster.engines[0]
+        backends = [StaticBackend(pod=eng.engine_id, url=eng.url, model=MODEL)]
+        async with stack(backends, body_mode=body_mode, response_body_mode=response_body_mode, **cfg) as (app, _e, c):
+            records = Records(app)
+            got = await read(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=3, stream=True))
+            assert not any(ch.usage for ch in got) and len(got) == 4  # the role, three tokens
+            rec = await records.next()
+            assert rec.status == "ok" and rec.output_tokens == 3 and rec.cached_tokens == 0
+            assert no_usage(app, eng.engine_id) == 1

@@ -65,24 +65,29 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], http2: bool = F
 def envoy_config(port: int, admin_port: int, epp: tuple[str, int], *, fallback: list[tuple[str, int]],
                  body_mode: str = "FULL_DUPLEX_STREAMED", failure_mode_allow: bool = False,
                  timeout_s: float = 5.0, epp_enabled: bool = True, subset: list[str] | None = None,
-                 observe_response: bool = True) -> dict:
+                 observe_response: bool = True, response_body_mode: str | None = None,
+                 keep_content_length: bool = False) -> dict:
     """Envoy's bootstrap. ``body_mode``: ``FULL_DUPLEX_STREAMED`` (GIE's choice) or ``BUFFERED``.
     ``epp_enabled=False``: no ext_proc at all, requests go to ``fallback`` (the direct baseline).
     ``subset``: endpoints Envoy tells the picker to choose from (``envoy.lb.subset_hint`` metadata,
     set by a set_metadata filter and forwarded to ext_proc).
     ``observe_response``: Envoy relays the response to the picker too (headers, and the body in the
-    request's streaming style), which is how gateway-routed requests get SLA records."""
+    request's streaming style, or ``response_body_mode`` when given), which is how gateway-routed
+    requests get SLA records.
+    ``keep_content_length``: ext_proc's ``allow_content_length_header`` (Envoy 1.40 honours it; not
+    in xds-protos' ext_proc.proto yet): Envoy forwards the request's ``content-length`` as the picker
+    leaves it even with full-duplex bodies, instead of dropping it and sending the body chunked."""
     mode = {"request_header_mode": "SEND", "response_header_mode": "SKIP", "request_body_mode": body_mode,
             "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if body_mode == "FULL_DUPLEX_STREAMED":
         mode["request_trailer_mode"] = "SEND"  # Envoy requires it with full-duplex bodies
     if observe_response:
         mode["response_header_mode"] = "SEND"
-        if body_mode == "FULL_DUPLEX_STREAMED":
-            mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
-            mode["response_trailer_mode"] = "SEND"
-        else:  # chunk by chunk, so a streamed answer is not held back
-            mode["response_body_mode"] = "STREAMED"
+        # (by default chunk by chunk, so a streamed answer is not held back)
+        rmode = response_body_mode or ("FULL_DUPLEX_STREAMED" if body_mode == "FULL_DUPLEX_STREAMED" else "STREAMED")
+        mode["response_body_mode"] = rmode
+        if rmode == "FULL_DUPLEX_STREAMED":
+            mode["response_trailer_mode"] = "SEND"  # Envoy requires it with full-duplex bodies
     filters = []
     md_opts: dict = {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}}
     if subset is not None:
@@ -94,7 +99,7 @@ def envoy_config(port: int, admin_port: int, epp: tuple[str, int], *, fallback: 
         filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": _EXT_PROC, "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": f"{timeout_s}s"},
             "failure_mode_allow": failure_mode_allow, "processing_mode": mode, "message_timeout": f"{timeout_s}s",
-            "metadata_options": md_opts}})
+            "metadata_options": md_opts, **({"allow_content_length_header": True} if keep_content_length else {})}})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}})
     routes = []
     if epp_enabled:
