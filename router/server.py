@@ -1288,8 +1288,9 @@ class RouterService:
         """An answer that did not say how many prompt tokens the engine took from its cache, so its
         record says 0 (and the SLA history's prefix hit rate with it). ``no_details``: vLLM sends
         ``prompt_tokens_details`` only when started with ``--enable-prompt-tokens-details``.
-        ``no_usage``: no usage at all, as a stream through the endpoint picker carries none unless
-        its client asks (the HTTP router asks on the client's behalf and drops the usage chunk).
+        ``no_usage``: no usage at all, as a stream whose client did not ask carries none through an
+        endpoint picker whose gateway does not relay answers in full duplex (the HTTP router, and the
+        picker behind a full-duplex gateway, ask on the client's behalf and drop the usage chunk).
         ``no_details`` is counted only for an engine that has never reported cached tokens: vLLM 0.22
         and before send them only when the prompt took some from the cache. Counted per engine and
         reason, and said once per engine and reason in the log, after :data:`_WARN_AFTER` answers
