@@ -89,6 +89,19 @@ class Flow:
         return p[0] if p else ""
 
 
+def usage_asked(stream_options: Any) -> dict[str, Any]:
+    """A client's ``stream_options`` with ``include_usage`` set, for a client that did not set it
+    (the router asks the engine for the usage event and drops it from the answer). The other
+    options stay, except ``continuous_usage_stats``, which becomes false: vLLM reads it only
+    together with ``include_usage``, so it meant nothing for this client, and left on it would put
+    a usage on every chunk the client gets."""
+    so = dict(stream_options) if isinstance(stream_options, dict) else {}
+    so["include_usage"] = True
+    if so.get("continuous_usage_stats"):
+        so["continuous_usage_stats"] = False
+    return so
+
+
 def _token(flow: Flow, piece: str) -> None:
     now = time.perf_counter()
     if flow.first_token_t is None:

@@ -873,7 +873,7 @@ class RouterService:
                 prefill_tokens = 0
             if flow.stream and not flow.wants_usage:
                 send_body = dict(send_body)
-                send_body["stream_options"] = {**(send_body.get("stream_options") or {}), "include_usage": True}
+                send_body["stream_options"] = answer.usage_asked(send_body.get("stream_options"))
             self._note_route(flow, decision)
             resp, outcome = await self._forward(request, flow, target, send_body, resp, prefill_tokens)
             if outcome is None:
@@ -1219,7 +1219,7 @@ class RouterService:
         """The request re-issued elsewhere: the text so far appended, ``max_tokens`` reduced."""
         body = dict(flow.body)
         if flow.stream and not flow.wants_usage:
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            body["stream_options"] = answer.usage_asked(body.get("stream_options"))
         if not flow.text:
             return body  # nothing generated yet: the same request again
         key = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"

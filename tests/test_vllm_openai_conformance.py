@@ -180,6 +180,36 @@ async def test_an_engine_without_cached_token_reports_is_counted_and_named(engin
     assert len(said) == 1 and "without" in said[0]
 
 
+@pytest.mark.parametrize("options", [None, {"continuous_usage_stats": True}, {"include_usage": True},
+                                     {"include_usage": True, "continuous_usage_stats": True}])
+async def test_the_router_hands_the_client_the_usage_it_asked_for(engines, options):
+    """The router asks the engine for the usage event on every stream (for the record) and drops it
+    when the client did not ask: the client gets the events the engine gives it directly. vLLM
+    reads ``continuous_usage_stats`` only with ``include_usage``, so a client asking for it alone
+    gets no usage at all, not a usage on every chunk."""
+    import aiohttp
+
+    from router.app import RouterApp
+    from router.config import RouterConfig, StaticBackend
+
+    body = {"model": "sim", "prompt": "count to five", "max_tokens": 5, "ignore_eos": True, "stream": True,
+            **({"stream_options": options} if options is not None else {})}
+    direct = _payloads(httpx.post(engines[True] + "/v1/completions", json=body, timeout=30).text)
+    app = RouterApp(RouterConfig(strategy="round-robin", backends=[StaticBackend(pod="e", url=engines[True], model="sim")],
+                                 bus=False, records=False))
+    url = await app.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                routed = _payloads((await r.read()).decode())
+    finally:
+        await app.stop(drain=False)
+    assert [shape(e) for e in routed] == [shape(e) for e in direct]
+    assert [e.get("usage") is not None for e in routed] == [e.get("usage") is not None for e in direct]
+    assert sum(1 for e in routed if e["choices"]) == 5
+
+
 @pytest.fixture(scope="module")
 def failing():
     """Engines whose generations fail after 2 tokens (FaultConfig.fail_generation_after_tokens), and a

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from router.flow import usage_asked
+
 #: an incomplete event longer than this is passed on as it is (it cannot be the small usage event)
 HOLD_MAX = 1 << 20
 
@@ -30,15 +32,8 @@ def needs_asking(body: dict[str, Any]) -> bool:
 
 
 def asking(body: dict[str, Any]) -> bytes:
-    """``body`` re-encoded with ``include_usage: true``; the client's other stream options stay,
-    except that ``continuous_usage_stats`` becomes false: vLLM reads it only with
-    ``include_usage``, so for this client it meant nothing, and kept on it would put a usage on
-    every chunk the client gets."""
-    so = dict(body.get("stream_options") or {})
-    so["include_usage"] = True
-    if so.get("continuous_usage_stats"):
-        so["continuous_usage_stats"] = False
-    return msgspec.json.encode({**body, "stream_options": so})
+    """``body`` re-encoded with ``include_usage: true`` (:func:`router.flow.usage_asked`)."""
+    return msgspec.json.encode({**body, "stream_options": usage_asked(body.get("stream_options"))})
 
 
 def is_usage_only(event: bytes) -> bool:
