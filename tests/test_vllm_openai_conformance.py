@@ -194,15 +194,17 @@ async def test_the_router_hands_the_client_the_usage_it_asked_for(engines, optio
 
     body = {"model": "sim", "prompt": "count to five", "max_tokens": 5, "ignore_eos": True, "stream": True,
             **({"stream_options": options} if options is not None else {})}
-    direct = _payloads(httpx.post(engines[True] + "/v1/completions", json=body, timeout=30).text)
     app = RouterApp(RouterConfig(strategy="round-robin", backends=[StaticBackend(pod="e", url=engines[True], model="sim")],
                                  bus=False, records=False))
     url = await app.start("127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                routed = _payloads((await r.read()).decode())
+            got = []
+            for u in (engines[True], url):  # the engine directly, then through the router
+                async with s.post(u + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    got.append(_payloads((await r.read()).decode()))
+        direct, routed = got
     finally:
         await app.stop(drain=False)
     assert [shape(e) for e in routed] == [shape(e) for e in direct]
