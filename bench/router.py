@@ -339,7 +339,8 @@ def main():
     if args.stream:  # streamed answers of that many tokens (one SSE event each, as an engine sends them)
         for b in BODIES:
             b.update(stream=True, max_tokens=args.stream)
-        print(f"prompts: {len(prompts)} distinct of {args.prompt_chars} chars")
+    if args.prompt_chars:
+        print(f"prompts: {len(BODIES)} distinct of {args.prompt_chars} chars")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     for name, (p50, p99, o50, o99) in ({} if args.fresh else decision_time(args.backends)).items():
         print(f"decide {name:<12} over {args.backends} backends: with index lookup p50 {p50:.1f} us "

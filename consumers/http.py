@@ -171,6 +171,27 @@ class StreamResponse:
         if p.paused:
             await p.drain()
 
+    def send_now(self, data: bytes) -> bool:
+        """:meth:`write` without waiting: True when the client is behind (its buffer full), so the
+        writer should hold further data until :meth:`when_drained` calls back."""
+        p = self._proto
+        if p is None or p.closed:
+            raise ConnectionResetError("client went away")
+        p.send(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        return p.paused
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """``callback()`` once the client has caught up (at once if it has); not if it goes away."""
+        p = self._proto
+        if p is None or p.closed:
+            return
+        if not p.paused:
+            callback()
+            return
+        if p._drain is None:
+            p._drain = p.server.loop.create_future()
+        p._drain.add_done_callback(lambda f: None if f.cancelled() or f.exception() else callback())
+
     async def write_eof(self) -> None:
         if self.finished:
             return

@@ -29,6 +29,7 @@ from router.admission import Admission, Refused
 from router.config import RouterConfig
 from consumers.http import ERROR_CODES, HttpError, Request, Response, Server, StreamResponse, error_response
 from router import lazy_prompt
+from router.relay import SseRelay
 from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
 from router.pd_protocol import PdProtocol, PrefillPeer
 from router.core import Router
@@ -1149,28 +1150,20 @@ class RouterService:
                                                   "X-Request-Id": flow.rid, "X-Accel-Buffering": "no",
                                                   _BACKEND_HEADER: b.pod})
                 await resp.prepare(request)
-            buf = b""
+            first = []  # (set once the first token went out: the engine's prefill is over)
+
+            def first_token(pending=pending) -> None:
+                if pending:
+                    self.state.first_token(b, pending)
+                first.append(True)
+
+            relay = SseRelay(flow, resp, up, retries_recomputed=self.pd.retries_recomputed, on_first_token=first_token)
             try:
-                async for chunk in up.iter_any():
-                    buf += chunk
-                    out = bytearray()
-                    while True:
-                        i = buf.find(b"\n\n")
-                        if i < 0:
-                            break
-                        ev, buf = buf[:i + 2], buf[i + 2:]
-                        keep = answer.on_event(flow, ev, retries_recomputed=self.pd.retries_recomputed)
-                        if keep is True:
-                            out += ev
-                        elif keep:
-                            out += keep  # the event rewritten
-                    if out:
-                        if pending and flow.first_token_t is not None:
-                            self.state.first_token(b, pending)
-                            pending = 0
-                        await resp.write(bytes(out))
-                    if flow.engine_error is not None:
-                        break
+                try:
+                    await up.pipe(relay)
+                finally:
+                    if first:
+                        pending = 0
             except _UPSTREAM_ERRORS as e:
                 if not flow.done and not flow.recomputed and flow.engine_error is None:
                     log.warning("backend %s failed mid-stream for %s: %s", b.pod, flow.rid, type(e).__name__)

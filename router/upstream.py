@@ -18,6 +18,7 @@ import asyncio
 import ssl as _ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -111,6 +112,9 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         r = self.resp
+        if r._sink is not None:
+            r._to_sink(body)
+            return
         r.chunks.append(body)
         r.buffered += len(body)
         if r.buffered > _HIGH_WATER and not self.paused:
@@ -129,7 +133,7 @@ class UpstreamResponse:
     """Status and headers on return from :meth:`UpstreamPool.post`; then ``read()`` or ``iter_any()``."""
 
     __slots__ = ("_conn", "_pool", "_target", "status", "headers", "chunks", "buffered", "nbytes", "complete",
-                 "keep_alive", "until_eof", "_exc", "_waiter", "_done")
+                 "keep_alive", "until_eof", "_exc", "_waiter", "_done", "_sink", "_last", "_timer")
 
     def __init__(self, conn: _Conn, pool: "UpstreamPool", target: _Target):
         self._conn, self._pool, self._target = conn, pool, target
@@ -144,6 +148,9 @@ class UpstreamResponse:
         self._exc: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
         self._done = False
+        self._sink: Callable[[bytes], bool] | None = None  # pipe(): body bytes go straight to it
+        self._last = 0.0  # pipe(): loop time of the last body bytes
+        self._timer: asyncio.TimerHandle | None = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -199,6 +206,72 @@ class UpstreamResponse:
                 return
             else:
                 await self._wait()
+
+    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
+        """Body bytes (de-chunked) to ``sink`` as they arrive, called from the connection's own
+        callback: no future, timer or task switch per chunk, which a token-by-token stream would pay
+        for every token. Returns when the response ends or ``sink`` returns False (the caller then
+        closes or releases the response); raises what ended it otherwise (an :class:`UpstreamError`,
+        or what ``sink`` raised). The read timeout is the longest silence, as in :meth:`read`. While
+        piping, a slow reader downstream holds the engine back with :meth:`pause` / :meth:`resume`."""
+        if self.chunks and sink(self._take()) is False:
+            return
+        if self._exc is not None:
+            raise self._exc
+        if self.complete:
+            return
+        loop = self._pool.loop
+        w = self._waiter = loop.create_future()
+        self._sink = sink
+        self._last = loop.time()
+        self._timer = loop.call_at(self._last + self._pool.read_timeout, self._silence, w)
+        try:
+            await w
+        finally:
+            self._sink = None
+            self._waiter = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _to_sink(self, body: bytes) -> None:
+        """(from the protocol) body bytes while piping."""
+        self._last = self._pool.loop.time()
+        try:
+            go_on = self._sink(body)
+        except Exception as exc:  # noqa: BLE001 - the sink's error ends pipe() with it
+            self._sink = None
+            w = self._waiter
+            if w is not None and not w.done():
+                w.set_exception(exc)
+            return
+        if go_on is False:
+            self._sink = None
+            self._wake()
+
+    def _silence(self, w: asyncio.Future) -> None:
+        if w.done():
+            return
+        loop = self._pool.loop
+        due = self._last + self._pool.read_timeout
+        if loop.time() < due:  # bytes came since the timer was set: wait for the rest of the silence
+            self._timer = loop.call_at(due, self._silence, w)
+            return
+        self._timer = None
+        w.set_exception(UpstreamError("timeout", f"no data from the backend for {self._pool.read_timeout:g} s"))
+
+    def pause(self) -> None:
+        """Stop reading from the engine (the reader downstream is behind)."""
+        c = self._conn
+        if not c.paused and not c.closed:
+            c.paused = True
+            c.transport.pause_reading()
+
+    def resume(self) -> None:
+        c = self._conn
+        if c.paused and not c.closed:
+            c.paused = False
+            c.transport.resume_reading()
 
     def at_eof(self) -> bool:
         return self.complete and not self.chunks

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from consumers.http import HttpError, Response, Server, StreamResponse
-from router.testing import FakeEngine
+from router.testing import FakeEngine, wait_for
 from router.upstream import UpstreamError, UpstreamPool
 
 
@@ -354,3 +354,194 @@ async def test_a_request_trickling_in_gets_408_and_its_connection_closed():
         writer.close()
     finally:
         await srv.close()
+
+
+# -- piping a streamed body ------------------------------------------------------------------------
+async def _sse_server(events: list[bytes], gaps: list[float]):
+    """A backend that answers a chunked SSE stream: ``events[i]`` after ``gaps[i]`` seconds each,
+    every one its own write (one chunk on the wire)."""
+
+    async def h(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for ev, gap in zip(events, gaps):
+            await asyncio.sleep(gap)
+            writer.write(b"%x\r\n%s\r\n" % (len(ev), ev))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    return await raw_server(h)
+
+
+async def test_pipe_hands_every_chunk_to_the_sink_and_times_out_on_silence_only():
+    """``pipe`` gives the sink each chunk as it comes, in order. Its read timeout is the longest
+    silence: a stream whose whole length is many timeouts but whose gaps are shorter goes through;
+    one gap longer than the timeout ends it with a timeout."""
+    pool = UpstreamPool(connect_timeout=2, read_timeout=0.4)
+    events = [f"data: {i}\n\n".encode() for i in range(8)]
+    srv, url = await _sse_server(events, [0.0] + [0.15] * 7)  # 1.05 s in all, gaps of 0.15 s
+    got = []
+    try:
+        r = await pool.post(url, "/x", b"{}")
+        await r.pipe(lambda b: got.append(b) is None)
+        assert b"".join(got) == b"".join(events) and r.at_eof()
+        r.release()
+    finally:
+        srv.close()
+    srv, url = await _sse_server(events[:3], [0.0, 0.1, 0.9])  # the last gap is longer than 0.4 s
+    got.clear()
+    try:
+        r = await pool.post(url, "/x", b"{}")
+        with pytest.raises(UpstreamError) as e:
+            await r.pipe(lambda b: got.append(b) is None)
+        assert e.value.kind == "timeout" and b"".join(got) == b"".join(events[:2])
+        r.close()
+    finally:
+        pool.close()
+        srv.close()
+
+
+async def test_pipe_stops_when_the_sink_says_so_and_raises_what_the_sink_raised():
+    pool = UpstreamPool(connect_timeout=2, read_timeout=5)
+    events = [f"data: {i}\n\n".encode() for i in range(5)]
+    srv, url = await _sse_server(events, [0.02] * 5)
+    try:
+        got = []
+        r = await pool.post(url, "/x", b"{}")
+        await r.pipe(lambda b: got.append(b) or len(got) < 2)  # stop after the second chunk
+        assert got == events[:2] and not r.at_eof()
+        r.close()
+
+        def boom(b):
+            raise ConnectionResetError("client went away")
+
+        r = await pool.post(url, "/x", b"{}")
+        with pytest.raises(ConnectionResetError):
+            await r.pipe(boom)
+        r.close()
+    finally:
+        pool.close()
+        srv.close()
+
+
+class _Client:
+    """A stand-in for the client side of the relay: what was sent, and whether it is 'behind'."""
+
+    def __init__(self, behind_after: int | None = None):
+        self.sent: list[bytes] = []
+        self.behind_after = behind_after
+        self.drained: list = []
+
+    def send_now(self, data: bytes) -> bool:
+        self.sent.append(data)
+        return self.behind_after is not None and len(self.sent) >= self.behind_after
+
+    def when_drained(self, cb) -> None:
+        self.drained.append(cb)
+
+
+class _Up:
+    def __init__(self):
+        self.paused = 0
+        self.resumed = 0
+
+    def pause(self):
+        self.paused += 1
+
+    def resume(self):
+        self.resumed += 1
+
+
+def _flow(**kw):
+    from router.flow import Flow
+    from router.types import RoutingRequest
+
+    return Flow(rid="r", kind="completions", path="/v1/completions", body={}, stream=True, arrival=0.0, t0=0.0,
+                rreq=RoutingRequest(model="m"), **kw)
+
+
+def test_relay_cuts_events_wherever_the_chunks_end_and_drops_the_usage_the_client_did_not_ask_for():
+    from router.relay import SseRelay
+
+    tok = [b'data: {"choices":[{"index":0,"text":"t%d"}]}\n\n' % i for i in range(3)]
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3}}\n\n'
+    done = b"data: [DONE]\n\n"
+    stream = b"".join(tok) + usage + done
+    for cut in ([5, 9], [len(tok[0]), len(tok[0]) + 3], [len(stream) - 3], [1, 2, 3, 70, 71]):
+        flow, client, firsts = _flow(), _Client(), []
+        relay = SseRelay(flow, client, _Up(), retries_recomputed=False, on_first_token=lambda: firsts.append(1))
+        bounds = [0, *cut, len(stream)]
+        for a, b in zip(bounds, bounds[1:]):
+            assert relay(stream[a:b]) is True
+        assert b"".join(client.sent) == b"".join(tok) + done  # the usage event taken out, nothing else
+        assert flow.out_tokens == 3 and flow.done and flow.prompt_tokens_reported == 4 and firsts == [1]
+
+
+def test_relay_stops_at_the_engines_error_event_and_holds_the_engine_back_for_a_slow_client():
+    from router.relay import SseRelay
+
+    tok = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
+    err = b'data: {"error":{"message":"boom","type":"InternalServerError","code":500}}\n\n'
+    flow, client = _flow(), _Client()
+    relay = SseRelay(flow, client, _Up(), retries_recomputed=False)
+    assert relay(tok) is True
+    assert relay(err + b"data: [DONE]\n\n") is False  # the caller goes on elsewhere
+    assert client.sent == [tok] and flow.engine_error[0] == 500
+
+    flow, client, up = _flow(), _Client(behind_after=2), _Up()
+    relay = SseRelay(flow, client, up, retries_recomputed=False)
+    for _ in range(3):
+        relay(tok)
+    assert up.paused == 2 and len(client.drained) == 2  # (asked again for every write while behind)
+    for cb in client.drained:
+        cb()
+    assert up.resumed == 2 and len(client.sent) == 3
+
+
+async def test_a_slow_client_gets_a_long_stream_whole_through_the_router():
+    """The client reads nothing for a while: the router's socket buffer to it fills, the relay stops
+    reading from the engine until the client catches up, and every byte arrives in order."""
+    from router.app import RouterApp
+    from router.config import RouterConfig, StaticBackend
+    from router.upstream import UpstreamResponse
+
+    n = 4000
+    eng = await FakeEngine("e", tokens=n).start()
+    app = RouterApp(RouterConfig(strategy="round-robin", backends=[StaticBackend(pod="e", url=eng.url, model="m")],
+                                 bus=False, records=False))
+    url = await app.start("127.0.0.1", 0)
+    pauses = []
+    real_pause = UpstreamResponse.pause
+    UpstreamResponse.pause = lambda self: (pauses.append(1), real_pause(self))[1]
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        import socket
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.connect((host, int(port)))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
+        await wait_for(lambda: app.service.app._conns)
+        for c in app.service.app._conns:  # small socket buffers on the router's side too: its own buffer fills
+            c.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        body = json.dumps({"model": "m", "prompt": "p" * 20000, "max_tokens": n, "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.transport.pause_reading()  # the client does not read
+        await asyncio.sleep(1.0)
+        writer.transport.resume_reading()
+        status, _, got = await read_response(reader)
+        writer.close()
+    finally:
+        UpstreamResponse.pause = real_pause
+        await app.stop(drain=False)
+        await eng.stop()
+    assert status == 200
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in got.split(b"\n\n")
+             if e.startswith(b"data: {") and json.loads(e[6:])["choices"]]
+    assert texts == [f"tok{i} " for i in range(n)]
+    assert pauses  # the engine was held back while the client did not read
