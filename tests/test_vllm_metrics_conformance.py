@@ -1,7 +1,9 @@
 """vLLM's ``/metrics`` as vLLM 0.33 itself writes it (tests/fixtures/vllm/0.33.0/metrics*.prom, made
-by the release's own PrometheusStatLogger in make_metrics_fixtures.py): the collector reads from it
-the load the script recorded, the simulator exposes what the collector reads under vLLM's names,
-types and labels, and the hand-written tests/fixtures/vllm-metrics.prom has vLLM's layout."""
+by the release's own PrometheusStatLogger in make_metrics_fixtures.py, and in prometheus_client's
+multiprocess mode, as a server with two API servers serves it, in
+make_metrics_multiproc_fixtures.py): the collector reads from it the load the script recorded, the
+simulator exposes what the collector reads under vLLM's names, types and labels, and the
+hand-written tests/fixtures/vllm-metrics.prom has vLLM's layout."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers import metrics_collector as mc
@@ -22,7 +25,11 @@ from streams.load import LoadState
 
 FIX = Path(__file__).parent / "fixtures"
 META = metrics_meta()
-FILES = sorted(META["files"])
+MP_META = metrics_meta(multiproc=True)
+# every exposition with what vLLM recorded into it: one API server, then several (multiprocess mode)
+RECORDED = {**META["files"], **MP_META["files"]}
+FILES = sorted(RECORDED)
+MP_FILES = sorted(MP_META["files"])
 # what the collector reads: its name maps and the info gauge it takes the block size and count from
 READ = {*mc._GAUGES, *mc._COUNTERS, *mc._HISTOGRAMS, "vllm:cache_config_info"}
 
@@ -75,13 +82,22 @@ def test_the_fixture_is_from_the_release_wheel():
     real = families(metrics_text())
     assert sorted(READ - set(real)) == ["vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_hits",
                                         "vllm:gpu_prefix_cache_queries", "vllm:time_per_output_token_seconds"]
+    # the multiprocess-mode files: the same wheel, two API servers, the same scripted steps
+    assert (MP_META["wheel"], MP_META["wheel_sha256"]) == (META["wheel"], META["wheel_sha256"])
+    assert MP_META["steps"] == META["steps"] and MP_META["requests"] == META["requests"]
+    assert {n: (f["api_servers"], f["engines"]) for n, f in MP_META["files"].items()} == {
+        "metrics-multiproc.prom": (2, [0]), "metrics-multiproc-dp2.prom": (2, [0, 1]),
+        "metrics-multiproc-dp2-idle.prom": (2, [0, 1]), "metrics-multiproc-start.prom": (2, [0])}
+    for f in MP_META["files"].values():
+        if f["same_stats_as"]:
+            assert f["steps"] == META["files"][f["same_stats_as"]]["steps"]
 
 
 # --- the collector --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", FILES)
 def test_the_collector_reads_what_vllm_recorded(name):
-    f = META["files"][name]
+    f = RECORDED[name]
     snaps = parse_vllm_metrics(metrics_text(name), "pod-1", 10.0)
     assert [(s.model, s.engine) for s in snaps] == [(META["config"]["served_model_name"], str(e))
                                                   for e in f["engines"]]
@@ -120,7 +136,7 @@ def test_vllm_labels_every_engine_with_the_front_ends_block_sum():
 @pytest.mark.parametrize("name", FILES)
 def test_the_pod_load_from_vllms_exposition(name):
     """The load the router gets for the pod: its engines summed (kv usage averaged)."""
-    f = META["files"][name]
+    f = RECORDED[name]
     load = LoadState(clock=ManualClock(100.0))
     for s in parse_vllm_metrics(metrics_text(name), "pod-1", 100.0):
         load.apply(s)
@@ -137,6 +153,65 @@ def test_the_collector_splits_an_uneven_block_sum():
     text = metrics_text("metrics-dp2.prom").replace('num_gpu_blocks="4096"', 'num_gpu_blocks="4097"')
     snaps = parse_vllm_metrics(text, "p", 1.0)
     assert [s.num_gpu_blocks for s in snaps] == [2049, 2048]
+
+
+# --- several API servers: prometheus_client's multiprocess mode ----------------------------------
+
+def test_what_multiprocess_mode_writes():
+    """What differs from one API server's exposition (same steps, vLLM's code in both): no
+    ``_created`` families, no ``pid`` label (every vLLM gauge here is ``mostrecent``), families
+    grouped by the file they come from (counters, gauges, histograms), and the same values except
+    ``iteration_tokens_total``, observed once per API server per step."""
+    one, multi = families(metrics_text("metrics-dp2.prom")), families(metrics_text("metrics-multiproc-dp2.prom"))
+    assert sorted(multi) == sorted(n for n in one if not n.endswith("_created"))
+    kinds = [multi[n].type for n in multi]
+    assert kinds == sorted(kinds, key=["counter", "gauge", "histogram"].index)
+    assert not any("pid" in s.labels for f in multi.values() for s in f.samples)
+
+    def values(fam) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples
+                if not s.name.endswith("_created")}
+
+    assert [n for n in multi if values(multi[n]) != values(one[n])] == ["vllm:iteration_tokens_total"]
+    for n in multi:
+        assert layout(multi[n]) == layout(one[n]), n
+
+
+def test_multiprocess_mode_leaves_out_the_gauges_never_set():
+    """What the collector must cope with: a ``mostrecent`` gauge that no API server has set (an
+    engine before its first scheduler stats) has no sample (its family is there, HELP and TYPE
+    only); the engine's counters are, at 0."""
+    start = families(metrics_text("metrics-multiproc-start.prom"))
+    gauges = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    assert {g: start[g].samples for g in gauges} == {g: [] for g in gauges}
+    assert [(s.labels["engine"], s.value) for s in start["vllm:prompt_tokens"].samples] == [("0", 0.0)]
+    idle = families(metrics_text("metrics-multiproc-dp2-idle.prom"))
+    for g in gauges:
+        assert {s.labels["engine"] for s in idle[g].samples} == {"0"}, g
+    assert {s.labels["engine"] for s in idle["vllm:prompt_tokens"].samples} == {"0", "1"}
+    assert {s.labels["engine"] for s in idle["vllm:cache_config_info"].samples} == {"0", "1"}
+
+
+@pytest.mark.parametrize("name", [n for n in MP_FILES if MP_META["files"][n]["same_stats_as"]])
+def test_several_api_servers_read_as_one(name):
+    """The collector gets from two API servers' merged exposition exactly what it gets from one
+    API server that recorded the same steps."""
+    single = MP_META["files"][name]["same_stats_as"]
+    multi = [s.model_dump() for s in parse_vllm_metrics(metrics_text(name), "pod-1", 10.0)]
+    one = [s.model_dump() for s in parse_vllm_metrics(metrics_text(single), "pod-1", 10.0)]
+    assert multi == one
+
+
+async def test_a_just_started_server_with_several_api_servers_is_up():
+    """Before its first request the exposition has no load gauges; the target is up, its engine idle."""
+    collector = mc.MetricsCollector([mc.Target("http://vllm/metrics", "pod-1")], js=None,
+                                    registry=CollectorRegistry())
+    text = metrics_text("metrics-multiproc-start.prom")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda req: httpx.Response(200, text=text))) as client:
+        (snap,) = await collector.scrape(client, collector.targets[0])
+    assert collector.status["http://vllm/metrics"].up
+    assert (snap.num_requests_running, snap.num_requests_waiting, snap.kv_cache_usage_perc) == (0, 0, 0)
+    assert (snap.block_size, snap.num_gpu_blocks) == (16, 2048)
 
 
 # --- the simulator --------------------------------------------------------------------------------
