@@ -27,7 +27,10 @@ the cleared cache as a KV event), so each router reads the engines' KV events fr
 stream; runs are interleaved, ``--rounds`` times. Reported per run:
 prefix hit rate as the engines count it (``vllm:prefix_cache_hits/queries`` on their /metrics),
 request spread (max/mean ``vllm:request_success`` per engine), TTFT p50/p90, E2E p50 and the
-decode phase's p50 (E2E - TTFT per request; client side, wall seconds).
+decode phase's p50 (E2E - TTFT per request; client side, wall seconds), and each run's mean TTFT
+three ways: at the client, as our router measured it (its ``infernex_router_ttft_seconds``), and as
+the engines did (vLLM's ``time_to_first_token_seconds``, from a request's arrival at the engine), so
+the time a request spends outside the engines is seen apart from the engines' own.
 """
 
 from __future__ import annotations
@@ -101,7 +104,9 @@ COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total", "vllm:
             "vllm:num_preemptions_total",
             # the simulator's own: modelled step time, model time lost between steps, outputs' lateness
             "infernex_sim_step_seconds_total", "infernex_sim_lost_seconds_total", "infernex_sim_late_seconds_sum",
-            "infernex_sim_late_seconds_count")
+            "infernex_sim_late_seconds_count",
+            # the engines' own TTFT (vLLM's: from the request's arrival at the engine), in model seconds
+            "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 LATE_WARN = 0.10  # the engines' outputs late by this share of TTFT p50 on average: not a valid comparison
 try:  # a child (engine, router, hog) gets SIGTERM when the bench dies without its finally (SIGKILL)
     import ctypes
@@ -209,6 +214,20 @@ async def engine_counters(client, engines) -> dict[str, tuple[float, ...]]:  # n
         return e.engine_id, tuple(sum(s.value for s in samples if s.name == k) for k in COUNTERS)
 
     return dict(await asyncio.gather(*(one(e) for e in engines)))
+
+
+async def _router_ttft(client, urls: list[str]) -> float:  # noqa: ANN001
+    """Our routers' own mean TTFT over the run (``infernex_router_ttft_seconds``: from a request's
+    arrival at the router to the first token it passed on), or NaN."""
+    total = n = 0.0
+    for url in urls:
+        try:
+            samples = await _scrape(client, url)
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            return float("nan")
+        total += sum(x.value for x in samples if x.name == "infernex_router_ttft_seconds_sum")
+        n += sum(x.value for x in samples if x.name == "infernex_router_ttft_seconds_count")
+    return total / n if n else float("nan")
 
 
 async def engine_block_size(client, engine) -> int:  # noqa: ANN001
@@ -442,6 +461,7 @@ async def main_async(args) -> None:
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
                     s1 = await engine_counters(ctl, engines)
+                    router_ttft = await _router_ttft(ctl, urls) if ours else float("nan")
                     cpu = sum(_cpu_seconds(pr.pid) for pr in procs) - cpu0
                     ecpu = _engines_cpu(engine_procs) - ecpu0
                 finally:
@@ -460,6 +480,8 @@ async def main_async(args) -> None:
                 lost = sum(v[5] for v in d.values()) / modelled if modelled else 0.0
                 steps = sum(v[7] for v in d.values())  # a step's outputs' mean lateness, in real seconds
                 late = sum(v[6] for v in d.values()) / steps / args.time_scale if steps else 0.0
+                firsts = sum(v[9] for v in d.values())  # the engines' TTFT, in real seconds
+                engine_ttft = sum(v[8] for v in d.values()) / firsts / args.time_scale if firsts else float("nan")
                 ok = [r for r in res.requests if r.status == "ok"]
                 ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
                 e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
@@ -471,6 +493,8 @@ async def main_async(args) -> None:
                        "late": late, "lost": lost,
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
+                       "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"), "engine_ttft_mean": engine_ttft,
+                       "router_ttft_mean": router_ttft,
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
                 results[name].append(row)
                 if ours:  # for the router's view of the engines' caches against their reports (at the end)
@@ -491,6 +515,10 @@ async def main_async(args) -> None:
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
                       f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted, engines' outputs {late * 1e3:.2f} ms late, {lost:.1%} of model time lost ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
+                at_router = "" if router_ttft != router_ttft else f", {router_ttft:.3f}s as the router measured it"
+                print(f"    TTFT mean {row['ttft_mean']:.3f}s at the client{at_router}, {row['engine_ttft_mean']:.3f}s as the "
+                      f"engines measured it (from the request's arrival there): "
+                      f"{1e3 * (row['ttft_mean'] - row['engine_ttft_mean']):.1f} ms outside the engines", flush=True)
                 if late > LATE_WARN * row["ttft50"]:
                     print(f"    not valid as a routing comparison: the simulated engines sent their outputs {late * 1e3:.1f} ms "
                           f"after their model on average, {late / row['ttft50']:.0%} of TTFT p50 (this machine's CPU set "
@@ -517,7 +545,8 @@ async def main_async(args) -> None:
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.3f}s (decode {med('decode50'):.3f}s)  "
                   f"router CPU {med('cpu_ms_per_req'):.2f} ms/req, idle {med('idle_ms_per_s'):.0f} ms/s, "
-                  f"engines' CPU {med('engine_cpu_ms_per_req'):.1f} ms/req, engines' outputs {med('late') * 1e3:.2f} ms late")
+                  f"engines' CPU {med('engine_cpu_ms_per_req'):.1f} ms/req, engines' outputs {med('late') * 1e3:.2f} ms late, "
+                  f"TTFT mean {med('ttft_mean'):.3f}s (the engines' own {med('engine_ttft_mean'):.3f}s)")
     finally:
         try:
             for h in hogs:
