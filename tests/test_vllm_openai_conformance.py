@@ -1,6 +1,6 @@
 """The engine's OpenAI answers as vLLM 0.33 itself builds them (tests/fixtures/vllm/0.33.0/openai.json,
-made from the release's own response classes by make_openai_fixtures.py; 0.11.2's too, which
-serializes them differently): the router reads them right (text so far, output, prompt and cached tokens, the end of a stream, the usage chunk it
+made from the release's own response classes by make_openai_fixtures.py; 0.22.1's and 0.11.2's too,
+which build them differently): the router reads them right (text so far, output, prompt and cached tokens, the end of a stream, the usage chunk it
 asked for on the client's behalf), and the simulator answers in the same shape."""
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from simulator.config import EngineConfig
 from fixtures.vllm import openai_answers, sse_events
 
 SCENARIOS = openai_answers()
-#: what the router reads: 0.33's answers and an older release's (vllm-ascend follows vLLM with a lag)
-READ = [{**s, "name": f"0.33.0-{s['name']}"} for s in SCENARIOS] + [
-    {**s, "name": f"0.11.2-{s['name']}"} for s in openai_answers("0.11.2")]
+#: what the router reads: 0.33's answers and older releases' (vllm-ascend follows vLLM with a lag)
+READ = [{**s, "name": f"{v}-{s['name']}"} for v in ("0.33.0", "0.22.1", "0.11.2") for s in openai_answers(v)]
 STREAMED = [s for s in READ if "stream" in s and "error" not in s["expect"]]
-FAILING = [s for s in SCENARIOS if "stream" in s and "error" in s["expect"]]
+FAILING = [s for s in READ if "stream" in s and "error" in s["expect"]]
 WHOLE = [s for s in READ if "json" in s and s.get("status", 200) == 200 and "output_tokens" in s["expect"]]
 
 
@@ -355,7 +354,8 @@ def test_an_engine_that_has_reported_cached_tokens_is_not_counted_when_it_leaves
     """vLLM 0.22 and before send prompt_tokens_details only when the prompt took some tokens from the
     cache (``if enable_prompt_tokens_details and num_cached_tokens``; 0.33 sends it whenever the flag
     is on): an engine that reported them once runs with the flag, and its later answers without
-    them say 0 cached tokens truly. Before that first report, its answers count as without."""
+    them say 0 cached tokens truly. Before that first report, its answers count as without. The
+    answers are 0.22.1's own, from an engine with the flag."""
     from prometheus_client import CollectorRegistry
 
     from router.config import RouterConfig
@@ -364,17 +364,20 @@ def test_an_engine_that_has_reported_cached_tokens_is_not_counted_when_it_leaves
     reg = CollectorRegistry()
     svc = RouterService(RouterConfig(bus=False, records=False), registry=reg)
 
-    def answer_with(usage: dict) -> None:
-        f = _flow(next(x for x in SCENARIOS if x["name"] == "completions-stream"), False)
-        answer.account_usage(f, usage)
+    old = {s["name"]: s for s in openai_answers("0.22.1")}
+
+    def answer_with(name: str) -> None:
+        s = old[name]
+        f = _flow(s, False)
+        for ev in sse_events(s["stream"]):
+            answer.on_event(f, ev)
         f.pods = ["old-vllm"]
         svc._finish(f)
 
-    plain = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
-    answer_with(plain)  # (its first answers: nothing cached yet, so no details from vLLM 0.22)
-    answer_with(plain)
-    answer_with({**plain, "prompt_tokens_details": {"cached_tokens": 32}})
+    answer_with("completions-stream-usage-nothing-cached")  # (its first answers: nothing cached yet)
+    answer_with("chat-stream-usage-nothing-cached")
+    answer_with("completions-stream-usage")  # (32 cached tokens)
     for _ in range(5):
-        answer_with(plain)
+        answer_with("completions-stream-usage-nothing-cached")
     name = "infernex_router_answers_without_cached_tokens_total"
     assert reg.get_sample_value(name, {"pod": "old-vllm", "reason": "no_details"}) == 2
