@@ -93,6 +93,11 @@ ROUTER = Dashboard(
         Panel("Decision latency", [
             (q(0.5, "infernex_router_decision_seconds"), "p50"),
             (q(0.99, "infernex_router_decision_seconds"), "p99")], unit="s"),
+        Panel("Event loop lag", [
+            (q(0.5, "infernex_router_event_loop_lag_seconds"), "p50"),
+            (q(0.99, "infernex_router_event_loop_lag_seconds"), "p99")], unit="s",
+            description="How late the router's event loop wakes a 50 ms timer: latency every request and "
+                        "stream event waits meanwhile (work holding the loop, or a replica short of CPU)."),
         Panel("In-flight requests", [("sum(infernex_router_inflight_requests)", "in flight")]),
         Panel("Rejected requests by reason", [
             (f"sum by (reason) (rate(infernex_router_rejected_total[{RI}]))", "{{reason}}")], unit="reqps",

@@ -10,6 +10,7 @@ Names, labels and samples are the same as with prometheus_client objects.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
@@ -21,6 +22,7 @@ DEFAULT_BUCKETS = (.005, .01, .025, .05, .075, .1, .25, .5, .75, 1.0, 2.5, 5.0, 
 # LLM requests run for minutes: end-to-end, TTFT and queue time up to 10 minutes
 LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 ITL_BUCKETS = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75, 1.0, 2.5, 5.0, 10.0)
+LOOP_LAG_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5)
 
 
 class CounterChild:
@@ -125,6 +127,18 @@ class FastMetrics:
             yield (CounterMetricFamily if f.kind == "counter" else HistogramMetricFamily)(f.name, f.doc)
         for name, doc, _ in self._gauges:
             yield GaugeMetricFamily(name, doc)
+
+
+async def watch_loop_lag(observe, interval_s: float = 0.05) -> None:
+    """Until cancelled: every ``interval_s``, how much later than asked the event loop woke this
+    task, to ``observe`` (seconds). Every request, stream event and bus message of the process
+    waits that long for the loop too, so a lag seen here is latency added to all of them: work
+    that holds the loop (a long computation, a large synchronous write) or a process starved of CPU."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(interval_s)
+        observe(max(0.0, loop.time() - t - interval_s))
 
 
 class PluginEventsCollector:

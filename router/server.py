@@ -30,7 +30,7 @@ from router.config import RouterConfig
 from consumers.http import ERROR_CODES, HttpError, Request, Response, Server, StreamResponse, error_response
 from router import lazy_prompt
 from router.relay import SseRelay
-from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, FastMetrics, PluginEventsCollector
+from router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, LOOP_LAG_BUCKETS, FastMetrics, PluginEventsCollector, watch_loop_lag
 from router.pd_protocol import PdProtocol, PrefillPeer
 from router.core import Router
 from router import flow as answer
@@ -110,6 +110,10 @@ class RouterMetrics:
                                     "Time a request waited for a backend slot (admission control)",
                                     ["strategy", "pool", "role"], buckets=LATENCY_BUCKETS)
         fast.gauge_function("infernex_router_queued_requests", "Requests waiting for a backend slot", queued)
+        self.loop_lag = fast.histogram("infernex_router_event_loop_lag_seconds",
+                                       "How late the router's event loop woke a task that sleeps 50 ms at a time: "
+                                       "latency added to every request and stream event meanwhile",
+                                       buckets=LOOP_LAG_BUCKETS)
         self.decision = fast.histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
                                        ["strategy"],
                                        buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
@@ -235,6 +239,7 @@ class RouterService:
             self.upstream = UpstreamPool(connect_timeout=self.cfg.connect_timeout_s,
                                          read_timeout=self.cfg.read_timeout_s)
         self._tasks.append(asyncio.create_task(self._refresher()))
+        self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics.loop_lag.observe), name="router-loop-lag"))
         self._preload_tokenizers()
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:

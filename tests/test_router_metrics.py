@@ -55,3 +55,30 @@ def test_gauge_function_unlabelled_and_exposition():
     assert reg.get_sample_value("t_inflight") == 5 and reg.get_sample_value("t_total") == 3
     text = generate_latest(reg).decode()
     assert "# TYPE t_total counter" in text and "t_total 3.0" in text and "t_inflight 5.0" in text
+
+
+async def test_the_routers_event_loop_lag_shows_a_blocked_loop():
+    """``infernex_router_event_loop_lag_seconds``: work that holds the router's loop for 0.3 s shows
+    as one wake-up that late; a free loop's wake-ups stay within milliseconds."""
+    import asyncio
+    import time
+
+    from router.app import RouterApp
+    from router.config import RouterConfig, StaticBackend
+
+    app = RouterApp(RouterConfig(strategy="round-robin", backends=[StaticBackend(pod="e", url="http://127.0.0.1:9", model="m")],
+                                 bus=False, records=False))
+    await app.start("127.0.0.1", 0)
+    try:
+        get = app.registry.get_sample_value
+        name = "infernex_router_event_loop_lag_seconds"
+        await asyncio.sleep(0.3)
+        free = get(f"{name}_count")
+        assert free >= 2 and get(f"{name}_bucket", {"le": "0.25"}) == free  # no wake-up 250 ms late
+        before = get(f"{name}_sum")
+        time.sleep(0.3)  # the loop held, as a long computation on it would
+        await asyncio.sleep(0.15)
+        late = get(f"{name}_count") - get(f"{name}_bucket", {"le": "0.25"})
+        assert late == 1 and get(f"{name}_sum") - before >= 0.25
+    finally:
+        await app.stop(drain=False)
