@@ -216,18 +216,29 @@ async def engine_counters(client, engines) -> dict[str, tuple[float, ...]]:  # n
     return dict(await asyncio.gather(*(one(e) for e in engines)))
 
 
-async def _router_ttft(client, urls: list[str]) -> float:  # noqa: ANN001
-    """Our routers' own mean TTFT over the run (``infernex_router_ttft_seconds``: from a request's
-    arrival at the router to the first token it passed on), or NaN."""
-    total = n = 0.0
+async def _router_stats(client, urls: list[str]) -> tuple[float, float, float]:  # noqa: ANN001
+    """Our routers' own figures since they started: mean TTFT (``infernex_router_ttft_seconds``, from
+    a request's arrival at the router to the first token it passed on), mean event-loop lag and the
+    share of the loop's wake-ups more than 10 ms late (``infernex_router_event_loop_lag_seconds``);
+    NaN where a router does not say."""
+    nan = float("nan")
+    got = {"infernex_router_ttft_seconds_sum": 0.0, "infernex_router_ttft_seconds_count": 0.0,
+           "infernex_router_event_loop_lag_seconds_sum": 0.0, "infernex_router_event_loop_lag_seconds_count": 0.0}
+    late = 0.0
     for url in urls:
         try:
             samples = await _scrape(client, url)
         except Exception:  # noqa: BLE001 - a diagnostic only
-            return float("nan")
-        total += sum(x.value for x in samples if x.name == "infernex_router_ttft_seconds_sum")
-        n += sum(x.value for x in samples if x.name == "infernex_router_ttft_seconds_count")
-    return total / n if n else float("nan")
+            return nan, nan, nan
+        for x in samples:
+            if x.name in got:
+                got[x.name] += x.value
+            elif x.name == "infernex_router_event_loop_lag_seconds_bucket" and x.labels.get("le") == "0.01":
+                late -= x.value
+    n_ttft, n_lag = got["infernex_router_ttft_seconds_count"], got["infernex_router_event_loop_lag_seconds_count"]
+    return (got["infernex_router_ttft_seconds_sum"] / n_ttft if n_ttft else nan,
+            got["infernex_router_event_loop_lag_seconds_sum"] / n_lag if n_lag else nan,
+            (n_lag + late) / n_lag if n_lag else nan)
 
 
 async def engine_block_size(client, engine) -> int:  # noqa: ANN001
@@ -461,7 +472,8 @@ async def main_async(args) -> None:
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
                     s1 = await engine_counters(ctl, engines)
-                    router_ttft = await _router_ttft(ctl, urls) if ours else float("nan")
+                    router_ttft, loop_lag, loop_late = (await _router_stats(ctl, urls) if ours
+                                                        else (float("nan"),) * 3)
                     cpu = sum(_cpu_seconds(pr.pid) for pr in procs) - cpu0
                     ecpu = _engines_cpu(engine_procs) - ecpu0
                 finally:
@@ -516,9 +528,11 @@ async def main_async(args) -> None:
                       f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted, engines' outputs {late * 1e3:.2f} ms late, {lost:.1%} of model time lost ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
                 at_router = "" if router_ttft != router_ttft else f", {router_ttft:.3f}s as the router measured it"
+                lag = "" if loop_lag != loop_lag else (f"; the router's event loop {loop_lag * 1e3:.1f} ms late on average, "
+                                                       f"{loop_late:.0%} of its wake-ups over 10 ms late")
                 print(f"    TTFT mean {row['ttft_mean']:.3f}s at the client{at_router}, {row['engine_ttft_mean']:.3f}s as the "
                       f"engines measured it (from the request's arrival there): "
-                      f"{1e3 * (row['ttft_mean'] - row['engine_ttft_mean']):.1f} ms outside the engines", flush=True)
+                      f"{1e3 * (row['ttft_mean'] - row['engine_ttft_mean']):.1f} ms outside the engines{lag}", flush=True)
                 if late > LATE_WARN * row["ttft50"]:
                     print(f"    not valid as a routing comparison: the simulated engines sent their outputs {late * 1e3:.1f} ms "
                           f"after their model on average, {late / row['ttft50']:.0%} of TTFT p50 (this machine's CPU set "

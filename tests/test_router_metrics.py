@@ -76,7 +76,7 @@ async def test_the_routers_event_loop_lag_shows_a_blocked_loop():
         free = get(f"{name}_count")
         assert free >= 2 and get(f"{name}_bucket", {"le": "0.25"}) == free  # no wake-up 250 ms late
         before = get(f"{name}_sum")
-        time.sleep(0.3)  # the loop held, as a long computation on it would
+        time.sleep(0.3)  # noqa: ASYNC251 - the loop held, as a long computation on it would
         await asyncio.sleep(0.15)
         late = get(f"{name}_count") - get(f"{name}_bucket", {"le": "0.25"})
         assert late == 1 and get(f"{name}_sum") - before >= 0.25
