@@ -1155,19 +1155,14 @@ class RouterService:
                                                   "X-Request-Id": flow.rid, "X-Accel-Buffering": "no",
                                                   _BACKEND_HEADER: b.pod})
                 await resp.prepare(request)
-            first = []  # (set once the first token went out: the engine's prefill is over)
-
-            def first_token(pending=pending) -> None:
-                if pending:
-                    self.state.first_token(b, pending)
-                first.append(True)
-
-            relay = SseRelay(flow, resp, up, retries_recomputed=self.pd.retries_recomputed, on_first_token=first_token)
+            # the first token out ends the engine's prefill (the relay clears its callback once called)
+            first = (lambda n=pending: self.state.first_token(b, n)) if pending else None
+            relay = SseRelay(flow, resp, up, retries_recomputed=self.pd.retries_recomputed, on_first_token=first)
             try:
                 try:
                     await up.pipe(relay)
                 finally:
-                    if first:
+                    if pending and relay.on_first_token is None:
                         pending = 0
             except _UPSTREAM_ERRORS as e:
                 if not flow.done and not flow.recomputed and flow.engine_error is None:
