@@ -4,9 +4,12 @@
 the engine connection's own callback with each piece of the body, cuts it into SSE events (an
 event may arrive split, or several in one piece), lets :func:`router.flow.on_event` account for
 each one (tokens, usage, the engine's error event, a recomputed stop) and decide whether it goes
-on, and writes what goes on to the client at once. Nothing is awaited per event: a 64-token answer
-costs no more task switches than a whole one. When the client's socket buffer is full the engine
-is not read until it drains, so a slow client holds back its own engine connection only.
+on, and gathers what goes on; :meth:`SseRelay.flush`, which ``pipe`` calls once the read that
+brought it has been handed over, writes it to the client in one piece (the engine writes each event
+as its own HTTP chunk, and a read often holds several: one write and one wake-up of the client for
+all of them, not one each). Nothing is awaited per event: a 64-token answer costs no more task
+switches than a whole one. When the client's socket buffer is full the engine is not read until it
+drains, so a slow client holds back its own engine connection only.
 
 The relay stops (returns False) once the engine has sent an error event in place of the rest of
 the answer: the caller continues the request elsewhere or ends it.
@@ -31,7 +34,7 @@ class SseRelay:
     """One streamed answer's relay. ``on_first_token()`` is called once, when the first event that
     carries a token goes to the client (the engine's prefill is over)."""
 
-    __slots__ = ("flow", "resp", "up", "retries_recomputed", "on_first_token", "_buf")
+    __slots__ = ("flow", "resp", "up", "retries_recomputed", "on_first_token", "_buf", "_out")
 
     def __init__(self, flow: Flow, resp: StreamResponse, up: UpstreamResponse, *, retries_recomputed: bool,
                  on_first_token: Callable[[], None] | None = None):
@@ -41,6 +44,7 @@ class SseRelay:
         self.retries_recomputed = retries_recomputed
         self.on_first_token = on_first_token
         self._buf = b""
+        self._out: list[bytes] = []  # what goes on to the client at the next flush()
 
     def __call__(self, chunk: bytes) -> bool:
         flow = self.flow
@@ -68,10 +72,22 @@ class SseRelay:
             self._buf = buf[start:]
             out = bytes(parts)
         if out:
-            if self.on_first_token is not None and flow.first_token_t is not None:
-                first, self.on_first_token = self.on_first_token, None
-                first()
-            if self.resp.send_now(out):  # the client is behind: read no more from the engine until it drains
-                self.up.pause()
-                self.resp.when_drained(self.up.resume)
-        return flow.engine_error is None
+            self._out.append(out)
+        if flow.engine_error is not None:  # what came before the error goes out now: the caller moves on
+            self.flush()
+            return False
+        return True
+
+    def flush(self) -> None:
+        """What the events since the last flush let through, to the client in one write."""
+        pending = self._out
+        if not pending:
+            return
+        out = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
+        if self.on_first_token is not None and self.flow.first_token_t is not None:
+            first, self.on_first_token = self.on_first_token, None
+            first()
+        if self.resp.send_now(out):  # the client is behind: read no more from the engine until it drains
+            self.up.pause()
+            self.resp.when_drained(self.up.resume)

@@ -1160,7 +1160,7 @@ class RouterService:
             relay = SseRelay(flow, resp, up, retries_recomputed=self.pd.retries_recomputed, on_first_token=first)
             try:
                 try:
-                    await up.pipe(relay)
+                    await up.pipe(relay, relay.flush)
                 finally:
                     if pending and relay.on_first_token is None:
                         pending = 0

@@ -78,6 +78,8 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             r._fail(UpstreamError("read", f"bad HTTP response: {exc}"))
             self.transport.close()
+        if r._flush is not None:  # piping: what this read carried goes on in one piece
+            r._flush_out()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -133,7 +135,7 @@ class UpstreamResponse:
     """Status and headers on return from :meth:`UpstreamPool.post`; then ``read()`` or ``iter_any()``."""
 
     __slots__ = ("_conn", "_pool", "_target", "status", "headers", "chunks", "buffered", "nbytes", "complete",
-                 "keep_alive", "until_eof", "_exc", "_waiter", "_done", "_sink", "_last", "_timer")
+                 "keep_alive", "until_eof", "_exc", "_waiter", "_done", "_sink", "_flush", "_last", "_timer")
 
     def __init__(self, conn: _Conn, pool: "UpstreamPool", target: _Target):
         self._conn, self._pool, self._target = conn, pool, target
@@ -149,6 +151,7 @@ class UpstreamResponse:
         self._waiter: asyncio.Future | None = None
         self._done = False
         self._sink: Callable[[bytes], bool] | None = None  # pipe(): body bytes go straight to it
+        self._flush: Callable[[], None] | None = None  # pipe(): called after each read's bytes went to the sink
         self._last = 0.0  # pipe(): loop time of the last body bytes
         self._timer: asyncio.TimerHandle | None = None
 
@@ -207,28 +210,38 @@ class UpstreamResponse:
             else:
                 await self._wait()
 
-    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
+    async def pipe(self, sink: Callable[[bytes], bool], flush: Callable[[], None] | None = None) -> None:
         """Body bytes (de-chunked) to ``sink`` as they arrive, called from the connection's own
         callback: no future, timer or task switch per chunk, which a token-by-token stream would pay
         for every token. Returns when the response ends or ``sink`` returns False (the caller then
         closes or releases the response); raises what ended it otherwise (an :class:`UpstreamError`,
-        or what ``sink`` raised). The read timeout is the longest silence, as in :meth:`read`. While
-        piping, a slow reader downstream holds the engine back with :meth:`pause` / :meth:`resume`."""
-        if self.chunks and sink(self._take()) is False:
-            return
+        or what ``sink`` or ``flush`` raised). The read timeout is the longest silence, as in
+        :meth:`read`. While piping, a slow reader downstream holds the engine back with
+        :meth:`pause` / :meth:`resume`.
+
+        ``flush()``, when given, is called once after each read from the engine's socket has gone to
+        ``sink`` (a read holds as many chunks as the engine wrote since the last one, e.g. several
+        tokens' events when the router ran late): a sink that gathers what it passes on and writes it
+        in ``flush`` makes one write to its client per read instead of one per chunk."""
+        if self.chunks:
+            go_on = sink(self._take())
+            if flush is not None:
+                flush()
+            if go_on is False:
+                return
         if self._exc is not None:
             raise self._exc
         if self.complete:
             return
         loop = self._pool.loop
         w = self._waiter = loop.create_future()
-        self._sink = sink
+        self._sink, self._flush = sink, flush
         self._last = loop.time()
         self._timer = loop.call_at(self._last + self._pool.read_timeout, self._silence, w)
         try:
             await w
         finally:
-            self._sink = None
+            self._sink = self._flush = None
             self._waiter = None
             if self._timer is not None:
                 self._timer.cancel()
@@ -240,14 +253,24 @@ class UpstreamResponse:
         try:
             go_on = self._sink(body)
         except Exception as exc:  # noqa: BLE001 - the sink's error ends pipe() with it
-            self._sink = None
-            w = self._waiter
-            if w is not None and not w.done():
-                w.set_exception(exc)
+            self._ended(exc)
             return
         if go_on is False:
             self._sink = None
             self._wake()
+
+    def _flush_out(self) -> None:
+        """(from the protocol) a read's bytes have all gone to the sink."""
+        try:
+            self._flush()
+        except Exception as exc:  # noqa: BLE001 - as the sink's: it ends pipe() with it
+            self._ended(exc)
+
+    def _ended(self, exc: Exception) -> None:
+        self._sink = self._flush = None
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(exc)
 
     def _silence(self, w: asyncio.Future) -> None:
         if w.done():

@@ -426,6 +426,44 @@ async def test_pipe_stops_when_the_sink_says_so_and_raises_what_the_sink_raised(
         srv.close()
 
 
+async def test_pipe_flushes_once_per_read_after_handing_over_its_chunks():
+    """An engine that wrote several chunks at once (one read at the router): ``pipe`` gives the sink
+    each chunk, then calls ``flush`` once; a later read gets its own flush."""
+    events = [f"data: {i}\n\n".encode() for i in range(5)]
+
+    async def h(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"".join(b"%x\r\n%s\r\n" % (len(ev), ev) for ev in events[:3]))  # three chunks, one write
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"".join(b"%x\r\n%s\r\n" % (len(ev), ev) for ev in events[3:]) + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    srv, url = await raw_server(h)
+    pool = UpstreamPool(connect_timeout=2, read_timeout=5)
+    seen: list = []
+    try:
+        r = await pool.post(url, "/x", b"{}")
+        await r.pipe(lambda b: seen.append(b) is None, lambda: seen.append("flush"))
+        assert seen == [*events[:3], "flush", *events[3:], "flush"] and r.at_eof()
+        r.close()  # (this backend answers one request a connection)
+
+        def bad_flush():
+            raise ConnectionResetError("client went away")
+
+        r = await pool.post(url, "/x", b"{}")  # what flush raises ends pipe() with it
+        with pytest.raises(ConnectionResetError):
+            await r.pipe(lambda b: True, bad_flush)
+        r.close()
+    finally:
+        pool.close()
+        srv.close()
+
+
 class _Client:
     """A stand-in for the client side of the relay: what was sent, and whether it is 'behind'."""
 
@@ -475,8 +513,32 @@ def test_relay_cuts_events_wherever_the_chunks_end_and_drops_the_usage_the_clien
         bounds = [0, *cut, len(stream)]
         for a, b in zip(bounds, bounds[1:]):
             assert relay(stream[a:b]) is True
+            relay.flush()
         assert b"".join(client.sent) == b"".join(tok) + done  # the usage event taken out, nothing else
         assert flow.out_tokens == 3 and flow.done and flow.prompt_tokens_reported == 4 and firsts == [1]
+
+
+def test_relay_writes_once_per_read_whatever_the_events_in_it():
+    """The engine writes each event as an HTTP chunk of its own; ``pipe`` hands a read's chunks to
+    the relay one by one and then flushes it: the client gets one write for the whole read, and the
+    first-token callback fires at that write, not before anything went out."""
+    from router.relay import SseRelay
+
+    tok = [b'data: {"choices":[{"index":0,"text":"t%d"}]}\n\n' % i for i in range(5)]
+    flow, client, firsts = _flow(), _Client(), []
+    relay = SseRelay(flow, client, _Up(), retries_recomputed=False, on_first_token=lambda: firsts.append(len(client.sent)))
+    for ev in tok[:3]:  # one read, three chunks
+        assert relay(ev) is True
+    assert client.sent == [] and firsts == []
+    relay.flush()
+    assert client.sent == [b"".join(tok[:3])] and firsts == [0]
+    relay.flush()  # a read that brought nothing to pass on writes nothing
+    relay(tok[3][:7])
+    relay.flush()
+    assert len(client.sent) == 1
+    relay(tok[3][7:] + tok[4])
+    relay.flush()
+    assert client.sent == [b"".join(tok[:3]), tok[3] + tok[4]] and firsts == [0] and flow.out_tokens == 5
 
 
 def test_relay_stops_at_the_engines_error_event_and_holds_the_engine_back_for_a_slow_client():
@@ -488,12 +550,19 @@ def test_relay_stops_at_the_engines_error_event_and_holds_the_engine_back_for_a_
     relay = SseRelay(flow, client, _Up(), retries_recomputed=False)
     assert relay(tok) is True
     assert relay(err + b"data: [DONE]\n\n") is False  # the caller goes on elsewhere
-    assert client.sent == [tok] and flow.engine_error[0] == 500
+    assert client.sent == [tok] and flow.engine_error[0] == 500  # what came before the error, sent at once
+
+    flow, client = _flow(), _Client()
+    relay = SseRelay(flow, client, _Up(), retries_recomputed=False)
+    assert relay(tok) is True and relay(err) is False  # in one read: the token still goes out, once
+    relay.flush()
+    assert client.sent == [tok]
 
     flow, client, up = _flow(), _Client(behind_after=2), _Up()
     relay = SseRelay(flow, client, up, retries_recomputed=False)
     for _ in range(3):
         relay(tok)
+        relay.flush()
     assert up.paused == 2 and len(client.drained) == 2  # (asked again for every write while behind)
     for cb in client.drained:
         cb()
