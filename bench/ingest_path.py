@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,32 +61,102 @@ def cpu_seconds(pid: int) -> float:
 
 # ---------------------------------------------------------------- publisher (its own process)
 
-def _frames(rng: random.Random, n: int, stored: int, removed: int, block_size: int, ts: float | None):
-    from simulator.kv_events import block_removed, block_stored, encode_batch
+class _Engine:
+    """One engine's KV events as vLLM sends them, so that the index does the work it is credited
+    with: each frame stores a chain of ``stored`` blocks, from the root (a new prompt) or, half the
+    time, continuing the engine's latest chain (a conversation's next turn), and removes ``removed``
+    blocks the engine holds: the oldest conversation's first, tail first (vLLM frees a request's
+    blocks in reverse order, so a block goes before its prefix), never the latest conversation nor
+    the system chain (:func:`_system_chain`, stored first and kept, which the queries match).
 
-    pool = [rng.getrandbits(63) for _ in range(4096)]
-    out = []
-    for _ in range(n):
-        toks = [rng.randrange(151_000) for _ in range(stored * block_size)]
-        hashes = [rng.getrandbits(63) for _ in range(stored)]
-        events = [block_stored(hashes, rng.choice(pool), toks, block_size)]
-        if removed:
-            events.append(block_removed(rng.sample(pool, removed)))
-        out.append(encode_batch(events, ts=time.time() if ts is None else ts))
-    return out
+    (Until session 26 every chain started from a random parent no engine had stored and every
+    removal named a random hash: our index and Dynamo's both skipped every store, and the figures
+    measured two systems rejecting the events.)"""
+
+    def __init__(self, seed: int, stored: int, removed: int, block_size: int):
+        import numpy as np
+
+        self.rng = random.Random(seed)
+        self.np = np.random.default_rng(seed)
+        self.stored, self.removed, self.bs = stored, removed, block_size
+        self.convs: deque[list[int]] = deque()  # conversations' block hashes, oldest first
+        self.resident = 0  # blocks the engine holds now (what the index should hold for it)
+
+    def reseed(self, seed: int) -> "_Engine":
+        """A copy with the same blocks held that goes on with other events (another engine that
+        served the same requests so far)."""
+        import copy
+
+        import numpy as np
+
+        e = copy.copy(self)
+        e.convs = deque(list(c) for c in self.convs)
+        e.rng, e.np = random.Random(seed), np.random.default_rng(seed)
+        return e
+
+    def system(self, hashes: list[int], tokens: list[int]) -> list:
+        from simulator.kv_events import block_stored
+
+        self.resident += len(hashes)
+        return [block_stored(hashes, None, tokens, self.bs)]
+
+    def next_events(self) -> list:
+        from simulator.kv_events import block_removed, block_stored
+
+        go_on = bool(self.convs) and self.rng.random() < 0.5
+        parent = self.convs[-1][-1] if go_on else None
+        toks = self.np.integers(0, 151_000, self.stored * self.bs).tolist()
+        hashes = [self.rng.getrandbits(63) for _ in range(self.stored)]
+        if go_on:
+            self.convs[-1].extend(hashes)
+        else:
+            self.convs.append(list(hashes))
+        self.resident += len(hashes)
+        events = [block_stored(hashes, parent, toks, self.bs)]
+        gone: list[int] = []
+        while len(gone) < self.removed and len(self.convs) > 1:
+            oldest = self.convs[0]
+            gone.append(oldest.pop())
+            if not oldest:
+                self.convs.popleft()
+        if gone:
+            self.resident -= len(gone)
+            events.append(block_removed(gone))
+        return events
+
+
+def _system_chain(args) -> tuple[list[int], list[int]]:
+    """The chain every engine stores first and keeps (a shared system prompt): its block hashes and
+    tokens. The warm-up re-sends it; the HTTP queries ask for it (every pod matches all of it)."""
+    rng = random.Random(11)
+    return ([rng.getrandbits(63) for _ in range(args.stored)],
+            [rng.randrange(151_000) for _ in range(args.stored * args.block_size)])
+
+
+def _workload(args) -> tuple[bytes, list[bytes], _Engine]:
+    """The warm-up frame, the flat-out frames (the same for every pod) and the engine after them."""
+    from simulator.kv_events import encode_batch
+
+    eng = _Engine(7, args.stored, args.removed, args.block_size)
+    warm = encode_batch(eng.system(*_system_chain(args)), ts=1.0)
+    flat = [encode_batch(eng.next_events(), ts=1.0) for _ in range(args.frames)]
+    return warm, flat, eng
+
+
+def _frames(rng: random.Random, n: int, stored: int, removed: int, block_size: int, ts: float | None) -> list[bytes]:
+    """``n`` frames of one engine (:class:`_Engine`), encoded as vLLM 0.33 sends them (for the codec benches)."""
+    from simulator.kv_events import encode_batch
+
+    eng = _Engine(rng.getrandbits(32), stored, removed, block_size)
+    return [encode_batch(eng.next_events(), ts=time.time() if ts is None else ts) for _ in range(n)]
 
 
 def _query_loop(url: str, stop, out: list, args) -> None:
     """``POST /v1/index/query`` every ``--query-every`` seconds until ``stop``; each latency into ``out``.
-    The query is the token ids of one of the publisher's frames (its chains start from a parent the
-    index has not seen, so nothing matches: the cost measured is the HTTP round trip, the request's
-    block keys and the lookup, on the indexer's loop while it ingests)."""
-    toks = _frames(random.Random(11), 1, args.stored, 0, args.block_size, ts=1.0)
-    import msgpack
-
-    ids = msgpack.unpackb(toks[0], strict_map_key=False)
-    ids = next(iter(_token_ids(ids)))
-    body = json.dumps({"model": MODEL, "token_ids": ids}).encode()
+    The query is the system chain's tokens (:func:`_system_chain`), which every pod holds: the cost
+    measured is the HTTP round trip, the request's block keys and a lookup that matches every block
+    on every pod, on the indexer's loop while it ingests."""
+    body = json.dumps({"model": MODEL, "token_ids": _system_chain(args)[1]}).encode()
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=5)  # keep-alive, the lightest client at hand
     hdrs = {"Content-Type": "application/json"}
@@ -106,18 +177,6 @@ def _query_loop(url: str, stop, out: list, args) -> None:
         c.close()
 
 
-def _token_ids(batch) -> list:
-    """The token id lists of a decoded vLLM batch (map or array events)."""
-    events = batch["events"] if isinstance(batch, dict) else batch[1]
-    out = []
-    for e in events:
-        if isinstance(e, dict) and e.get("token_ids"):
-            out.append(e["token_ids"])
-        elif isinstance(e, list) and e and e[0] == "BlockStored":
-            out.append(e[3])
-    return out
-
-
 def publisher_proc(ports, cmds, done, args) -> None:
     import zmq
 
@@ -128,10 +187,10 @@ def publisher_proc(ports, cmds, done, args) -> None:
         s.setsockopt(zmq.SNDHWM, 1_000_000)
         s.bind(f"tcp://127.0.0.1:{p}")
         socks.append(s)
-    rng = random.Random(7)
     seqs = [0] * len(socks)
-    flat = _frames(rng, min(args.frames, 256), args.stored, args.removed, args.block_size, ts=1.0)
-    from simulator.kv_events import block_removed, block_stored, encode_batch
+    warm, flat, eng = _workload(args)
+    engines = [eng.reseed(100 + k) for k in range(len(socks))]  # the paced phase: each pod its own events
+    from simulator.kv_events import encode_batch
 
     import queue
 
@@ -144,11 +203,13 @@ def publisher_proc(ports, cmds, done, args) -> None:
                     break
                 except queue.Empty:
                     for k, s in enumerate(socks):
-                        s.send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), flat[0]), copy=False)
+                        s.send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), warm), copy=False)
                         seqs[k] += 1
+        if cmd == "hold":  # the warm-up's frames stop: the driver reads its base count in quiet
+            continue
         if cmd == "flat":
             for i in range(args.frames):
-                payload = flat[i % len(flat)]
+                payload = flat[i]
                 for k, s in enumerate(socks):
                     s.send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), payload), copy=False)
                     seqs[k] += 1
@@ -156,18 +217,13 @@ def publisher_proc(ports, cmds, done, args) -> None:
         elif cmd == "paced":
             n = int(args.rate * args.seconds)
             t0 = time.perf_counter()
-            pool = [rng.getrandbits(63) for _ in range(4096)]
             for i in range(n):
                 due = t0 + i / args.rate
                 while (d := due - time.perf_counter()) > 0:
                     time.sleep(min(d, 0.002))
                 k = i % len(socks)
-                toks = [rng.randrange(151_000) for _ in range(args.stored * args.block_size)]
-                events = [block_stored([rng.getrandbits(63) for _ in range(args.stored)], rng.choice(pool), toks,
-                                       args.block_size)]
-                if args.removed:
-                    events.append(block_removed(rng.sample(pool, args.removed)))
-                socks[k].send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), encode_batch(events, ts=time.time())))
+                socks[k].send_multipart((b"kv@", seqs[k].to_bytes(8, "big"),
+                                         encode_batch(engines[k].next_events(), ts=time.time())))
                 seqs[k] += 1
             done.put(n)
         else:
@@ -179,7 +235,7 @@ def publisher_proc(ports, cmds, done, args) -> None:
 
 # ---------------------------------------------------------------- indexer (its own process)
 
-def indexer_role(url: str, lag_file: str, port: int) -> None:
+def indexer_role(url: str, lag_file: str, port: int, reserve: int = 0) -> None:
     """``IndexerService`` on uvloop, as ``infernex indexer`` runs it, recording every lag."""
     import logging
 
@@ -202,7 +258,7 @@ def indexer_role(url: str, lag_file: str, port: int) -> None:
 
     async def run():
         cfg = IndexerConfig(http_port=port, nats_query=False, durable="bench-ix", snapshot_every_events=10_000_000,
-                            snapshot_every_s=3600)
+                            snapshot_every_s=3600, reserve_blocks=reserve)
         svc = IndexerService(cfg, NatsConfig(servers=[url], subject_prefix=PREFIX), registry=CollectorRegistry())
         svc.metrics.lag = Rec(svc.metrics.lag)
         loop = asyncio.get_running_loop()
@@ -223,7 +279,7 @@ def indexer_role(url: str, lag_file: str, port: int) -> None:
 
 
 async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen],
-                          tree: Path = ROOT) -> tuple[dict[str, str], int]:
+                          tree: Path = ROOT, reserve: int = 0) -> tuple[dict[str, str], int]:
     """On a started nats-server: the topology, the environment for processes that use it, and the
     indexer process (``--role indexer``, lags to ``tmp/lags.json``) started, added to ``procs``
     and ready. Returns ``(env, indexer HTTP port)``."""
@@ -239,7 +295,8 @@ async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen],
            "INFERNEX_NATS__SUBJECT_PREFIX": PREFIX}
     port = free_port()
     ix = subprocess.Popen([sys.executable, str(Path(tree) / "bench" / "ingest_path.py"), "--role", "indexer", "--url", server.url,
-                           "--lag-file", str(Path(tmp) / "lags.json"), "--port", str(port)],
+                           "--lag-file", str(Path(tmp) / "lags.json"), "--port", str(port),
+                           *(["--reserve-blocks", str(reserve)] if reserve else [])],
                           env=env, stdout=subprocess.PIPE, text=True)
     procs.append(ix)
     if ix.stdout.readline().strip() != "ready":
@@ -306,6 +363,28 @@ async def _dynamo_stored(http) -> float:
                if line.startswith(DYNAMO_APPLIED + '{event_type="stored"'))
 
 
+async def _dynamo_outcomes(http) -> dict[str, float]:
+    """Dynamo's applied events by ``type:status`` (those not ``ok`` were rejected: e.g. a store whose
+    parent it does not hold, ``parent_block_not_found``), the non-zero ones."""
+    out = {}
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith(DYNAMO_APPLIED + "{"):
+            labels, v = line[len(DYNAMO_APPLIED) + 1:].rsplit("} ", 1)
+            d = dict(kv.split("=", 1) for kv in labels.split(","))
+            if float(v):
+                out[f"{d['event_type'].strip(chr(34))}:{d['status'].strip(chr(34))}"] = float(v)
+    return out
+
+
+def _workload_resident(args) -> int:
+    """Blocks one engine holds after the warm-up and the flat-out frames."""
+    eng = _Engine(7, args.stored, args.removed, args.block_size)
+    eng.system(*_system_chain(args))
+    for _ in range(args.frames):
+        eng.next_events()
+    return eng.resident
+
+
 async def dynamo_run(args) -> dict:
     """Dynamo's standalone indexer (``python -m dynamo.indexer``, from ``--dynamo-python``) on the
     same publisher: it subscribes to the pods' ZMQ sockets itself (no bus, no durability).
@@ -336,17 +415,19 @@ async def dynamo_run(args) -> dict:
                 if time.monotonic() > deadline:
                     raise RuntimeError("dynamo.indexer applied nothing")
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(0.5)
-            cmds.put("flat")
+            cmds.put("hold")  # the warm-up's last frames applied before the base is read, the clock started
+            await asyncio.sleep(0.5)  # before the first flat-out frame (else both come out short)
             base = await _dynamo_stored(http)
             c0, t0 = cpu_seconds(dyn.pid), time.perf_counter()
+            cmds.put("flat")
             want = base + args.frames * args.pods
             got, t1, c1 = await _until_applied(lambda: _dynamo_stored(http), want, done, args.timeout,
                                                lambda: cpu_seconds(dyn.pid))
+            outcomes = await _dynamo_outcomes(http)
         n = got - base
         stored = n * args.stored
         per = (c1 - c0) / stored * 1e6
-        return {"encoding": "dynamo", "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
+        return {"outcomes": outcomes, "encoding": "dynamo", "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
                 "cpu_us_per_block": {"bridges": 0.0, "nats-server": 0.0, "indexer": per, "all": per}}
     finally:
         cmds.put("stop")
@@ -376,7 +457,7 @@ async def one_run(encoding: str, args) -> dict:
     procs: list[subprocess.Popen] = []
     pub = None
     try:
-        env, ix_port = await bus_and_indexer(server, tmp, procs, tree)
+        env, ix_port = await bus_and_indexer(server, tmp, procs, tree, args.reserve_blocks)
         ix = procs[-1]
         lag_file = Path(tmp) / "lags.json"
         ports = [free_port() for _ in range(args.pods)]
@@ -417,10 +498,11 @@ async def one_run(encoding: str, args) -> dict:
 
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ix_port}", timeout=5) as http:
             # flat-out
-            await asyncio.sleep(0.5)
-            cmds.put("flat")  # ends the warm-up
+            cmds.put("hold")  # ends the warm-up; its last frames applied before the base is read and the
+            await asyncio.sleep(0.5)  # clock started, both before the first flat-out frame
             base = await _metric(http, "infernex_indexer_batches_total")
             c0, t0 = cpu(), time.perf_counter()
+            cmds.put("flat")
             want = base + args.frames * args.pods
             got, t1, c1 = await _until_applied(lambda: _metric(http, "infernex_indexer_batches_total"), want, done,
                                                args.timeout, cpu)
@@ -429,6 +511,10 @@ async def one_run(encoding: str, args) -> dict:
             res = {"encoding": encoding, "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
                    "cpu_us_per_block": {k: (c1[k] - c0[k]) / stored * 1e6 for k in c0}}
             res["cpu_us_per_block"]["all"] = sum(res["cpu_us_per_block"].values())
+            # the work credited was done: the index holds what the engines hold (every pod the same frames)
+            pods = (await http.get("/v1/index/pods")).json()["pods"]
+            res["held"] = {"index": sum(p["total_blocks"] for p in pods.values()),
+                           "engines": args.pods * _workload_resident(args)}
             # paced, with HTTP queries to the indexer meanwhile (a thread: the wait below blocks)
             await asyncio.sleep(1.0)
             t_paced = time.time()
@@ -467,6 +553,8 @@ async def one_run(encoding: str, args) -> dict:
             print(f"  ({warned} bridge warnings, e.g. "
                   f"{next(iter(l for i in range(args.pods) for l in open(Path(tmp) / f'bridge-{i}.log')), '')[:160]!r})",
                   flush=True)
+            res["skipped"] = {k: await _metric(http, f'infernex_indexer_anomalies_total{{kind="{k}"}}')
+                              for k in ("unknown_parent", "unknown_removed")}
         for key, lat in (("query_ms", q_lat), ("query_idle_ms", idle_lat)):
             if lat:
                 q = sorted(lat)
@@ -499,6 +587,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1000.0, help="paced phase: frames/s in total")
     ap.add_argument("--query-every", type=float, default=0.01, help="paced phase: an HTTP query this often (s)")
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--reserve-blocks", type=int, default=0,
+                    help="the indexer's reserve_blocks (its tables sized for this many blocks up front; 0: they grow, "
+                         "each doubling a rehash that stalls the fold)")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--encodings", default="json,binary1,binary",
                     help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
@@ -512,7 +603,7 @@ def main() -> None:
                          "auto: bench/peers.py's cached venv, created on first use; none: leave Dynamo out")
     args = ap.parse_args()
     if args.role == "indexer":
-        indexer_role(args.url, args.lag_file, args.port)
+        indexer_role(args.url, args.lag_file, args.port, args.reserve_blocks)
         return
     from bench.peers import dynamo_python
 
@@ -540,6 +631,15 @@ def main() -> None:
             results[e].append(res)
             cpu = res["cpu_us_per_block"]
             lag = res.get("lag_ms", {})
+            if "held" in res:
+                h, sk = res["held"], res.get("skipped", {})
+                ok = h["index"] == h["engines"] and not any(sk.values())
+                print(f"  index end state: {h['index']:,} blocks held, the engines {h['engines']:,}; stores with an "
+                      f"unknown parent {sk.get('unknown_parent', 0):.0f}, unknown removals "
+                      f"{sk.get('unknown_removed', 0):.0f}: {'valid' if ok else 'NOT VALID (the index skipped work)'}")
+            if "outcomes" in res:
+                bad = {k: v for k, v in res["outcomes"].items() if not k.endswith(":ok")}
+                print(f"  dynamo applied events {res['outcomes']}: {'valid' if not bad else 'NOT VALID (rejected events)'}")
             print(f"run {r + 1} {e:6s}: {res['blocks_per_s']:,.0f} stored blocks/s ({res['batches']:.0f} batches, "
                   f"{res['wall_s']:.2f}s, {res['lost']:.0f} frames lost); CPU us/block all {cpu['all']:.2f} (bridges {cpu['bridges']:.2f}, "
                   f"nats {cpu['nats-server']:.2f}, indexer {cpu['indexer']:.2f}); lag at {args.rate:.0f}/s "
