@@ -84,6 +84,7 @@ from schemas.config import NatsConfig
 from consumers.indexer_config import IndexerConfig  # noqa: F401 - settings import it without the service
 from streams.clock import Clock, SystemClock
 from streams.kv_index import KvIndex, warm_up
+from streams.kv_spares import PrefaultingSpares
 from streams.topology import StreamSpec, build_topology, stream_for_subject
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class IndexerService:
             self.clock, tier_weights=config.tier_weights or None, predicted_ttl_s=config.predicted_ttl_s,
             predict_on_route_ttl_s=config.predict_on_route_ttl_s, pod_timeout_s=config.pod_timeout_s,
             default_block_size=config.default_block_size, reorder_window_s=config.reorder_window_s,
-            reserve_blocks=config.reserve_blocks)
+            reserve_blocks=config.reserve_blocks, spares=PrefaultingSpares())
         self.registry = registry
         self.tokenizer = tokenizer
         prefix = nats_config.subject_prefix

@@ -22,6 +22,7 @@ class RouterApp:
     def __init__(self, cfg: RouterConfig, nats: NatsConfig | None = None, *,
                  registry: CollectorRegistry | None = None, clock: Clock | None = None):
         from streams.kv_index import KvIndex
+        from streams.kv_spares import PrefaultingSpares
 
         self.cfg = cfg
         self.nats = nats
@@ -29,7 +30,7 @@ class RouterApp:
         self.clock = clock or SystemClock()
         self.state = ClusterState(cfg, clock=self.clock)
         self.index = KvIndex(self.clock, default_block_size=cfg.block_size,
-                             predict_on_route_ttl_s=cfg.route_prediction_ttl_s)
+                             predict_on_route_ttl_s=cfg.route_prediction_ttl_s, spares=PrefaultingSpares())
         self.nc = None
         self.feeds = None
         self.records = None

@@ -322,8 +322,11 @@ def _rehash_kt(kt, out):
             _kt_put(out, kt, r)
 
 
-def grow_kt(kt, new_cap):
-    out = table(new_cap, kt.shape[1])
+def grow_kt(kt, new_cap, out=None):
+    """``kt`` rehashed into a table of ``new_cap`` rows: ``out`` (zeroed, of that shape: made ahead,
+    :mod:`streams.kv_spares`) or a new one."""
+    if out is None:
+        out = table(new_cap, kt.shape[1])
     _rehash_kt(kt, out)
     return out
 
@@ -335,8 +338,10 @@ def _rehash_pairs(t, out):
             _p_put(out, t[r, 0], t[r, 1], t[r, 2])
 
 
-def grow_pairs(t, new_cap):
-    out = table(new_cap, 3)
+def grow_pairs(t, new_cap, out=None):
+    """A pair table rehashed into ``new_cap`` rows (``out``: as :func:`grow_kt`'s)."""
+    if out is None:
+        out = table(new_cap, 3)
     _rehash_pairs(t, out)
     return out
 

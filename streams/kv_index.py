@@ -71,6 +71,7 @@ from schemas.kv import MAX_EPOCH, MAX_SEQ, BlockRemoved, BlockStored, KvEventBat
 from streams import kv_core as core
 from streams.clock import Clock, ManualClock
 from streams.kv_keys import lora_seed
+from streams.kv_spares import EARLY, Spares
 
 PRIMARY_TIER = "GPU"
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "LOCAL_FILE": 0.5, "REMOTE": 0.3}
@@ -243,14 +244,19 @@ class PodInfo:
 
 # -------------------------------------------------------------------------------- internals
 
+#: tables smaller than this grow in well under a millisecond: none is made ahead for them
+SPARE_MIN_ROWS = 1 << 16
+
+
 class _Model:
     """One model's tables (see :mod:`streams.kv_core`) and its predictions."""
 
     __slots__ = ("name", "block_size", "tiers", "tidx", "W", "kt", "em", "ex", "sz", "cnt", "pk", "pe", "pef", "psz",
-                 "torder")
+                 "torder", "spares")
 
-    def __init__(self, name: str, width: int):
+    def __init__(self, name: str, width: int, spares: Spares | None = None):
         self.name = name
+        self.spares = spares if spares is not None else Spares()
         self.block_size: int | None = None
         self.tiers: list[str] = []  # local tier index -> name, in order of appearance
         self.tidx: dict[str, int] = {}
@@ -312,6 +318,20 @@ class _Model:
     def predicting(self) -> bool:
         return bool(self.psz[0])
 
+    def grown(self, t: np.ndarray, cap: int, pairs: bool) -> np.ndarray:
+        """Table ``t`` rehashed into ``cap`` rows (a spare made ahead when there is one)."""
+        out = self.spares.take(cap, t.shape[1])
+        return core.grow_pairs(t, cap, out) if pairs else core.grow_kt(t, cap, out)
+
+    def want_spares(self) -> None:
+        """Ask for the next size of each table past :data:`streams.kv_spares.EARLY` of its load factor."""
+        sz = self.sz
+        for t, rows in ((self.kt, sz[0]), (self.em, sz[1]), (self.ex, sz[2]), (self.pk, self.psz[0]),
+                        (self.pe, self.psz[1])):
+            cap = t.shape[0]
+            if rows > EARLY * core.LOAD * cap and cap >= SPARE_MIN_ROWS:
+                self.spares.want(cap * 2, t.shape[1])
+
     def reserve_predictions(self, n: int) -> None:
         """Room for ``n`` more keys and (key, pod) pairs within the load factor."""
         keys, pairs = self.psz.tolist()
@@ -319,13 +339,14 @@ class _Model:
         if keys + n > core.LOAD * cap:
             while keys + n > core.LOAD * cap:
                 cap *= 2
-            self.pk = core.grow_kt(self.pk, cap)
+            self.pk = self.grown(self.pk, cap, False)
         cap = self.pe.shape[0]
         if pairs + n > core.LOAD * cap:
             while pairs + n > core.LOAD * cap:
                 cap *= 2
-            self.pe = core.grow_pairs(self.pe, cap)
+            self.pe = self.grown(self.pe, cap, True)
             self.pef = self.pe.view(np.float64)
+        self.want_spares()
 
     def predicted_by(self, slot: int) -> np.ndarray:
         """The keys pod ``slot`` is predicted to hold."""
@@ -467,7 +488,7 @@ class KvIndex:
                  predicted_ttl_s: float = 120.0, predict_on_route_ttl_s: float = 2.0,
                  pod_timeout_s: float | None = None, predicted_weight: float = 1.0,
                  default_block_size: int | None = None, reorder_window_s: float = 0.0,
-                 reorder_max: int = 4096, reserve_blocks: int = 0):
+                 reorder_max: int = 4096, reserve_blocks: int = 0, spares: Spares | None = None):
         if reorder_window_s < 0 or reorder_max < 1:
             raise ValueError("reorder_window_s must be >= 0 and reorder_max >= 1")
         self.reorder_window_s = reorder_window_s
@@ -493,6 +514,8 @@ class KvIndex:
         if reserve_blocks < 0:
             raise ValueError("reserve_blocks must be >= 0")
         self.reserve_blocks = reserve_blocks  # each model's tables sized for this many blocks when it appears
+        # the next size of a table that fills up, made ahead (streams.kv_spares; the default makes none)
+        self.spares = spares if spares is not None else Spares()
         self._models: dict[str, _Model] = {}
         self._pods: dict[str, _Pod] = {}
         self._by_slot: dict[int, _Pod] = {}
@@ -515,7 +538,7 @@ class KvIndex:
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)
         if m is None:
-            m = self._models[name] = _Model(name, max(1, (self._next_slot + 63) // 64))
+            m = self._models[name] = _Model(name, max(1, (self._next_slot + 63) // 64), self.spares)
             if self.reserve_blocks:
                 self.reserve(name, self.reserve_blocks)
         return m
@@ -561,11 +584,12 @@ class KvIndex:
                 break
             n = int(meta[start, 4] - (meta[start - 1, 4] if start else 0))
             if need & core.NEED_KT:
-                m.kt = core.grow_kt(m.kt, self._cap(m.kt.shape[0], int(m.sz[0]) + n))
+                m.kt = m.grown(m.kt, self._cap(m.kt.shape[0], int(m.sz[0]) + n), False)
             if need & core.NEED_EM:
-                m.em = core.grow_pairs(m.em, self._cap(m.em.shape[0], int(m.sz[1]) + n))
+                m.em = m.grown(m.em, self._cap(m.em.shape[0], int(m.sz[1]) + n), True)
             if need & core.NEED_EX:
-                m.ex = core.grow_pairs(m.ex, self._cap(m.ex.shape[0], int(m.sz[2]) + n))
+                m.ex = m.grown(m.ex, self._cap(m.ex.shape[0], int(m.sz[2]) + n), True)
+        m.want_spares()
         st = self._st
         if st is not None:
             for name, v in zip(_STAT_FIELDS, stats.tolist()):
