@@ -254,38 +254,67 @@ def fold_group(data: bytes) -> list[kv_binary.WBatch] | None:
 
 
 def _checked(w: kv_binary.WBatch) -> kv_binary.WBatch:
-    """The schema's checks on a decoded wire batch; its arrays become typed views (in place)."""
+    """The schema's checks on a decoded wire batch; its arrays become typed views (in place).
+    (The views are cast directly and a failed cast is named by :func:`_view`'s message: an error
+    text formatted for every field would cost more than the rest of these checks.)"""
+    stored, removed = kv_binary.WStored, kv_binary.WRemoved
     for i, e in enumerate(w.events):
         t = type(e)
-        if t is not kv_binary.WReset and t is not kv_binary.WGone:
-            _medium(e.medium, i)
-        if t is kv_binary.WStored:
-            e.block_hashes = hashes = _view(e.block_hashes, "Q", f"events.{i}.block_hashes")
+        if t is stored:
+            m = e.medium
+            if m is not None and m not in _MEDIUMS:
+                _medium(m, i)
+            try:
+                e.block_hashes = hashes = e.block_hashes.cast("Q")
+                e.token_ids = toks = e.token_ids.cast("I")
+                keys, dg, salts = e.block_keys, e.block_digests, e.block_salts
+                if keys is not None:
+                    e.block_keys = keys = keys.cast("Q")
+                elif dg is not None:
+                    e.block_digests = dg = dg.cast("Q")
+                if salts is not None:
+                    e.block_salts = salts = salts.cast("Q")
+            except TypeError:
+                _recast(e, i, ("block_hashes", "Q"), ("token_ids", "I"), ("block_keys", "Q"), ("block_digests", "Q"),
+                        ("block_salts", "Q"))
+                raise  # (not reached: _recast names the field)
             nh = len(hashes)
             if not nh:
                 raise BinaryError(f"events.{i}.block_hashes is empty")
-            e.token_ids = toks = _view(e.token_ids, "I", f"events.{i}.token_ids")
-            if e.block_keys is not None:
-                e.block_keys = keys = _view(e.block_keys, "Q", f"events.{i}.block_keys")
-                if len(keys) != nh or len(toks) or 0 in keys or e.block_digests is not None:
+            if keys is not None:
+                if len(keys) != nh or len(toks) or 0 in keys or dg is not None:
                     raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block, and no "
                                       f"token_ids or block_digests")
-            elif e.block_digests is not None:
-                e.block_digests = dg = _view(e.block_digests, "Q", f"events.{i}.block_digests")
+            elif dg is not None:
                 if len(dg) != nh or len(toks):
                     raise BinaryError(f"events.{i}: block_digests must give one digest per block and no token_ids")
             elif len(toks) != nh * e.block_size:
                 raise BinaryError(f"events.{i}.token_ids has {len(toks)} tokens but {nh} blocks of block_size "
                                   f"{e.block_size} need {nh * e.block_size}")
-            if e.block_salts is not None:
-                e.block_salts = salts = _view(e.block_salts, "Q", f"events.{i}.block_salts")
-                if len(salts) != nh:
-                    raise BinaryError(f"events.{i}.block_salts has {len(salts)} salts for {nh} blocks")
-        elif t is kv_binary.WRemoved:
-            e.block_hashes = hashes = _view(e.block_hashes, "Q", f"events.{i}.block_hashes")
+            if salts is not None and len(salts) != nh:
+                raise BinaryError(f"events.{i}.block_salts has {len(salts)} salts for {nh} blocks")
+        elif t is removed:
+            m = e.medium
+            if m is not None and m not in _MEDIUMS:
+                _medium(m, i)
+            try:
+                e.block_hashes = hashes = e.block_hashes.cast("Q")
+            except TypeError:
+                _recast(e, i, ("block_hashes", "Q"))
+                raise
             if not len(hashes):
                 raise BinaryError(f"events.{i}.block_hashes is empty")
+        elif t is not kv_binary.WReset and t is not kv_binary.WGone:
+            _medium(e.medium, i)
     return w
+
+
+def _recast(e, i: int, *fields: tuple[str, str]) -> None:
+    """Raise :func:`_view`'s error for the first of ``fields`` of event ``i`` that is not whole."""
+    for name, fmt in fields:
+        v = getattr(e, name)
+        if v is not None and v.format == "B":  # (not cast yet)
+            _view(v, fmt, f"events.{i}.{name}")
 
 
 def _array(view: memoryview | None, dtype: np.dtype) -> np.ndarray | None:

@@ -206,6 +206,16 @@ def test_ragged_arrays_are_refused():
         bad = msgspec.structs.replace(good, events=[msgspec.structs.replace(ev, **{field: value})])
         with pytest.raises(ValidationFailure, match=msg):
             decode_batch(msgspec.msgpack.encode(bad))
+    # the optional arrays and a removal's hashes are named too when they do not divide
+    ev = good.events[0]
+    for field, value in (("block_salts", b"\x01" * 12), ("block_digests", b"\x01" * 12), ("block_keys", b"\x01" * 4)):
+        extra = {"token_ids": b""} if field != "block_salts" else {}
+        bad = msgspec.structs.replace(good, events=[msgspec.structs.replace(ev, **{field: value}, **extra)])
+        with pytest.raises(ValidationFailure, match=f"events.0.{field} is .* not a whole number of uint64s"):
+            decode_batch(msgspec.msgpack.encode(bad))
+    removal = kv_binary.WBatch(1, "p", "m", 0, 0, 1, 1.0, [ev, kv_binary.WRemoved(b"\x01" * 9, "GPU")])
+    with pytest.raises(ValidationFailure, match="events.1.block_hashes is 9 bytes"):
+        decode_batch(msgspec.msgpack.encode(removal))
 
 
 # ------------------------------------------------------------------ consumers on a real nats-server
