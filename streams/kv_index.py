@@ -68,6 +68,7 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from schemas.kv import MAX_EPOCH, MAX_SEQ, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
+from schemas.kv_binary import WRemoved, WStored
 from streams import kv_core as core
 from streams.clock import Clock, ManualClock
 from streams.kv_keys import lora_seed
@@ -462,6 +463,9 @@ def _u64_bytes(values) -> bytes | memoryview:
     return memoryview(a).cast("B")
 
 
+_ROOT_DIGESTS = core.PARENT_ROOT | core.DIGESTS
+_HASH_DIGESTS = core.PARENT_HASH | core.DIGESTS
+_NO_LORA_SEED = lora_seed(None)
 _HAS_KEYS = "block_keys" in BlockStored.model_fields
 _HAS_SALTS = "block_salts" in BlockStored.model_fields
 _HAS_DIGESTS = "block_digests" in BlockStored.model_fields
@@ -657,14 +661,16 @@ class KvIndex:
         self._st = st
         self._version += 1
         try:
-            ap = self._apply
+            ap, fast = self._apply, self._apply_next
             if seen is None:
                 now = self.clock.now()
                 for b in batches:
-                    ap(b, st, now)
+                    if not fast(b, st, now):
+                        ap(b, st, now)
             else:
                 for b, now in zip(batches, seen, strict=True):
-                    ap(b, st, now)
+                    if not fast(b, st, now):
+                        ap(b, st, now)
             self._flush()
         finally:
             if self._ops.parents:  # an exception left events unapplied: drop them
@@ -681,6 +687,62 @@ class KvIndex:
         Folding many batches with :meth:`apply_many` is cheaper (one kernel call for all).
         """
         return self.apply_many((batch,))
+
+    def _apply_next(self, b, st: ApplyStats, now: float) -> bool:
+        """The common case in few steps, or False (nothing done) for :meth:`_apply`: a binary
+        message's batch (wire structs) that is the next of a pod already folding this model, its
+        events stored blocks with digests (no keys, salts or LoRA) of the model's block size, and
+        removals, of tiers the model has. What it does equals :meth:`_apply`'s for such a batch
+        (tests/test_kv_index_wire_path.py folds the same histories both ways)."""
+        events = b.events
+        if not events or type(b) is KvEventBatch:
+            return False
+        name = b.pod
+        pod = self._pods.get(name)
+        m = self._ops.model
+        if (pod is None or m is None or pod.model != b.model or m.name != pod.model or pod.epoch != b.epoch
+                or b.seq != pod.seq + 1 or b.seq > MAX_SEQ or (self._waiting and name in self._waiting)
+                or (self._lost and name in self._lost)):
+            return False
+        slot = pod.slot
+        if slot >= 64 * m.W:
+            return False
+        tidx, bs = m.tidx, m.block_size
+        for ev in events:
+            t = type(ev)
+            if t is WStored:
+                if (ev.block_digests is None or ev.block_keys is not None or ev.block_salts is not None
+                        or ev.parent_key is not None or ev.block_size != bs or ev.lora_id is not None
+                        or ev.lora_name is not None or (ev.medium or PRIMARY_TIER) not in tidx):
+                    return False
+            elif t is not WRemoved or (ev.medium or PRIMARY_TIER) not in tidx:
+                return False
+        ops = self._ops
+        hs, tk, meta, parents, salts = ops.hashes, ops.tokens, ops.meta, ops.parents, ops.salts
+        holder0 = slot << core.TIER_BITS
+        for ev in events:
+            hs.frombytes(ev.block_hashes.cast("B"))
+            t = tidx[ev.medium or PRIMARY_TIER]
+            if type(ev) is WStored:
+                tk.frombytes(ev.block_digests.cast("B"))
+                parent = ev.parent_block_hash
+                if parent is None:
+                    meta.extend((core.OP_STORE, holder0 | t, _ROOT_DIGESTS, bs, len(hs), len(tk)))
+                    parents.append(_NO_LORA_SEED)
+                else:
+                    meta.extend((core.OP_STORE, holder0 | t, _HASH_DIGESTS, bs, len(hs), len(tk)))
+                    parents.append(parent)
+            else:
+                meta.extend((core.OP_REMOVE, holder0 | t, 0, 0, len(hs), len(tk)))
+                parents.append(0)
+            salts.append(0)
+        st.batches += 1
+        st.events += len(events)
+        pod.seq = b.seq
+        pod.last_event_ts = b.ts
+        pod.last_seen = now
+        pod.exact = True
+        return True
 
     def _apply(self, batch: KvEventBatch, st: ApplyStats, now: float) -> None:
         st.batches += 1
