@@ -633,12 +633,13 @@ def main() -> None:
             lag = res.get("lag_ms", {})
             if "held" in res:
                 h, sk = res["held"], res.get("skipped", {})
-                ok = h["index"] == h["engines"] and not any(sk.values())
+                ok = res["valid"] = h["index"] == h["engines"] and not any(sk.values())
                 print(f"  index end state: {h['index']:,} blocks held, the engines {h['engines']:,}; stores with an "
                       f"unknown parent {sk.get('unknown_parent', 0):.0f}, unknown removals "
                       f"{sk.get('unknown_removed', 0):.0f}: {'valid' if ok else 'NOT VALID (the index skipped work)'}")
             if "outcomes" in res:
                 bad = {k: v for k, v in res["outcomes"].items() if not k.endswith(":ok")}
+                res["valid"] = not bad
                 print(f"  dynamo applied events {res['outcomes']}: {'valid' if not bad else 'NOT VALID (rejected events)'}")
             print(f"run {r + 1} {e:6s}: {res['blocks_per_s']:,.0f} stored blocks/s ({res['batches']:.0f} batches, "
                   f"{res['wall_s']:.2f}s, {res['lost']:.0f} frames lost); CPU us/block all {cpu['all']:.2f} (bridges {cpu['bridges']:.2f}, "
@@ -666,6 +667,10 @@ def main() -> None:
               f"{m['bridges']:.2f}, nats {m['nats-server']:.2f}, indexer {m['indexer']:.2f}); lag p50 "
               f"{m['lag_p50']:.1f} ms p99 {m['lag_p99']:.1f} ms; HTTP query while paced p50 {m['q_p50']:.2f} ms "
               f"p99 {m['q_p99']:.2f} ms (idle p50 {m['q_idle']:.2f} ms; handling {m['q_handling']:.0f} us)")
+    invalid = [f"{e} run {i + 1}" for e, rs in results.items() for i, r in enumerate(rs) if not r.get("valid", True)]
+    if invalid:
+        print(f"  NOT VALID: in {', '.join(invalid)} an index skipped events or held other blocks than the engines; "
+              f"the figures above do not measure the work they name")
     for e in [x for x in med if x != "dynamo"] if "dynamo" in med else []:
         d, b = med["dynamo"], med[e]
         print(f"  {e} / dynamo: blocks/s {b['blocks_per_s'] / d['blocks_per_s']:.2f}x; CPU per block "

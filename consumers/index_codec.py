@@ -260,12 +260,16 @@ def _checked(w: kv_binary.WBatch) -> kv_binary.WBatch:
     stored, removed = kv_binary.WStored, kv_binary.WRemoved
     for i, e in enumerate(w.events):
         t = type(e)
-        if t is stored:
-            m = e.medium
-            if m is not None and m not in _MEDIUMS:
-                _medium(m, i)
-            try:
-                e.block_hashes = hashes = e.block_hashes.cast("Q")
+        if t is not stored and t is not removed:
+            if t is not kv_binary.WReset and t is not kv_binary.WGone:
+                _medium(e.medium, i)
+            continue
+        m = e.medium
+        if m is not None and m not in _MEDIUMS:
+            _medium(m, i)
+        try:
+            e.block_hashes = hashes = e.block_hashes.cast("Q")
+            if t is stored:
                 e.token_ids = toks = e.token_ids.cast("I")
                 keys, dg, salts = e.block_keys, e.block_digests, e.block_salts
                 if keys is not None:
@@ -274,45 +278,34 @@ def _checked(w: kv_binary.WBatch) -> kv_binary.WBatch:
                     e.block_digests = dg = dg.cast("Q")
                 if salts is not None:
                     e.block_salts = salts = salts.cast("Q")
-            except TypeError:
-                _recast(e, i, ("block_hashes", "Q"), ("token_ids", "I"), ("block_keys", "Q"), ("block_digests", "Q"),
-                        ("block_salts", "Q"))
-                raise  # (not reached: _recast names the field)
-            nh = len(hashes)
-            if not nh:
-                raise BinaryError(f"events.{i}.block_hashes is empty")
-            if keys is not None:
-                if len(keys) != nh or len(toks) or 0 in keys or dg is not None:
-                    raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block, and no "
-                                      f"token_ids or block_digests")
-            elif dg is not None:
-                if len(dg) != nh or len(toks):
-                    raise BinaryError(f"events.{i}: block_digests must give one digest per block and no token_ids")
-            elif len(toks) != nh * e.block_size:
-                raise BinaryError(f"events.{i}.token_ids has {len(toks)} tokens but {nh} blocks of block_size "
-                                  f"{e.block_size} need {nh * e.block_size}")
-            if salts is not None and len(salts) != nh:
-                raise BinaryError(f"events.{i}.block_salts has {len(salts)} salts for {nh} blocks")
-        elif t is removed:
-            m = e.medium
-            if m is not None and m not in _MEDIUMS:
-                _medium(m, i)
-            try:
-                e.block_hashes = hashes = e.block_hashes.cast("Q")
-            except TypeError:
-                _recast(e, i, ("block_hashes", "Q"))
-                raise
-            if not len(hashes):
-                raise BinaryError(f"events.{i}.block_hashes is empty")
-        elif t is not kv_binary.WReset and t is not kv_binary.WGone:
-            _medium(e.medium, i)
+        except TypeError:
+            _recast(e, i, ("block_hashes", "Q"), ("token_ids", "I"), ("block_keys", "Q"), ("block_digests", "Q"),
+                    ("block_salts", "Q"))
+            raise  # (not reached: _recast names the field)
+        nh = len(hashes)
+        if not nh:
+            raise BinaryError(f"events.{i}.block_hashes is empty")
+        if t is removed:
+            continue
+        if keys is not None:
+            if len(keys) != nh or len(toks) or 0 in keys or dg is not None:
+                raise BinaryError(f"events.{i}: block_keys must give one non-zero key per block, and no "
+                                  f"token_ids or block_digests")
+        elif dg is not None:
+            if len(dg) != nh or len(toks):
+                raise BinaryError(f"events.{i}: block_digests must give one digest per block and no token_ids")
+        elif len(toks) != nh * e.block_size:
+            raise BinaryError(f"events.{i}.token_ids has {len(toks)} tokens but {nh} blocks of block_size "
+                              f"{e.block_size} need {nh * e.block_size}")
+        if salts is not None and len(salts) != nh:
+            raise BinaryError(f"events.{i}.block_salts has {len(salts)} salts for {nh} blocks")
     return w
 
 
 def _recast(e, i: int, *fields: tuple[str, str]) -> None:
     """Raise :func:`_view`'s error for the first of ``fields`` of event ``i`` that is not whole."""
     for name, fmt in fields:
-        v = getattr(e, name)
+        v = getattr(e, name, None)
         if v is not None and v.format == "B":  # (not cast yet)
             _view(v, fmt, f"events.{i}.{name}")
 
