@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,21 +44,31 @@ class PrefaultingSpares(Spares):
     """Zeroed tables allocated and faulted in on a daemon thread (started on the first :meth:`want`).
 
     At most one table per shape is kept (any table of that shape may take it: tables of one shape
-    are interchangeable); taking one drops those of its columns with fewer rows (outgrown)."""
+    are interchangeable); taking one drops those of its columns with fewer rows (outgrown). A table
+    the engines' caches stop short of needing (the index levels off between :data:`EARLY` and the
+    load factor) is dropped after ``ttl_s`` unused, and that shape is not made again: at most one
+    such table's memory for ``ttl_s``, and past that the table doubles as without spares."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
         self._ready: dict[tuple[int, int], np.ndarray] = {}
+        self._made_at: dict[tuple[int, int], float] = {}
+        self._unused: set[tuple[int, int]] = set()  # shapes dropped unused: not made again
         self._asked: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.made = 0  # tables made ahead
         self.taken = 0  # of them taken by a doubling
+        self.dropped = 0  # of them dropped unused after ttl_s
 
     def want(self, rows: int, cols: int) -> None:
         key = (rows, cols)
         with self._lock:
-            if key in self._ready or key in self._asked:
+            if self._made_at:
+                self._expire()
+            if key in self._ready or key in self._asked or key in self._unused:
                 return
             self._asked.add(key)
             if self._thread is None:
@@ -67,11 +79,21 @@ class PrefaultingSpares(Spares):
     def take(self, rows: int, cols: int) -> np.ndarray | None:
         with self._lock:
             out = self._ready.pop((rows, cols), None)
+            self._made_at.pop((rows, cols), None)
             for key in [k for k in self._ready if k[1] == cols and k[0] < rows]:
                 del self._ready[key]
+                del self._made_at[key]
             if out is not None:
                 self.taken += 1
             return out
+
+    def _expire(self) -> None:
+        old = self._clock() - self.ttl_s
+        for key in [k for k, t in self._made_at.items() if t <= old]:
+            del self._ready[key]
+            del self._made_at[key]
+            self._unused.add(key)
+            self.dropped += 1
 
     def ready(self) -> list[tuple[int, int]]:
         """The shapes made and not yet taken."""
@@ -86,4 +108,5 @@ class PrefaultingSpares(Spares):
             with self._lock:
                 self._asked.discard(key)
                 self._ready[key] = table
+                self._made_at[key] = self._clock()
                 self.made += 1

@@ -86,3 +86,20 @@ def test_an_index_growing_into_spares_equals_one_that_allocates(monkeypatch):
         got_a, got_b = plain.match_tokens("m", toks), ahead.match_tokens("m", toks)
         assert {p: m.matched_blocks for p, m in got_a.items()} == {p: m.matched_blocks for p, m in got_b.items()}
     assert plain.dump() == ahead.dump()
+
+
+def test_a_spare_left_unused_is_dropped_and_not_made_again():
+    now = [0.0]
+    sp = PrefaultingSpares(ttl_s=60.0, clock=lambda: now[0])
+    sp.want(4096, 3)
+    _until(lambda: sp.ready() == [(4096, 3)])
+    now[0] = 59.0
+    sp.want(4096, 2)  # (a want is when old spares are looked at)
+    _until(lambda: len(sp.ready()) == 2)
+    assert (4096, 3) in sp.ready()
+    now[0] = 61.0
+    sp.want(4096, 3)  # the index levelled off short of needing it: dropped, and not made again
+    assert sp.ready() == [(4096, 2)] and sp.dropped == 1
+    time.sleep(0.05)
+    assert sp.take(4096, 3) is None and sp.made == 2
+    assert sp.take(4096, 2) is not None  # (the other one is still young enough)
