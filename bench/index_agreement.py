@@ -140,7 +140,7 @@ async def main_async(args) -> int:
     import zmq
 
     from infernex.embedded_nats import EmbeddedNats, free_port
-    from ingest_path import bus_and_indexer, stop_procs
+    from ingest_path import _dynamo_outcomes, bus_and_indexer, stop_procs
     from simulator.kv_events import block_removed, block_stored, encode_batch
 
     w = Workload(args.pods, args.gpu_blocks, args.block_size, args.seed)
@@ -180,13 +180,16 @@ async def main_async(args) -> int:
 
         # ZMQ drops what a PUB sends before a subscriber has joined: store a marker block on every
         # pod until both sides have seen one, then remove it, then the workload
+        # (a new engine hash each time, all removed after: a pod that got the marker twice holds
+        # two copies, which one removal would leave behind in our index, counted as copies)
         marker_tokens = list(range(1, args.block_size + 1))
-        marker = [block_stored([(1 << 62) + 7], None, marker_tokens, args.block_size)]
+        markers: list[int] = []
         deadline = time.monotonic() + 120
         async with httpx.AsyncClient(timeout=2) as http:
             while True:
+                markers.append((1 << 62) + 7 + len(markers))
                 for i in range(args.pods):
-                    send(i, marker)
+                    send(i, [block_stored([markers[-1]], None, marker_tokens, args.block_size)])
                 await asyncio.sleep(0.1)
                 try:
                     ok = True
@@ -205,7 +208,7 @@ async def main_async(args) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the subscribers never received a frame")
             for i in range(args.pods):
-                send(i, [block_removed([(1 << 62) + 7])])
+                send(i, [block_removed(list(markers))])
             ours_url = f"http://127.0.0.1:{ix_port}"
 
             async def counts() -> tuple[float, float]:
@@ -253,6 +256,15 @@ async def main_async(args) -> int:
             print(f"applied: ours {got - base_ours:.0f} of {frames} frames"
                   + (f", dynamo {dgot - base_dyn:.0f} of {want_dyn - base_dyn:.0f} events" if dyn_port else
                      ", dynamo left out"), flush=True)
+            held = {p: v["total_blocks"] for p, v in (await http.get(f"{ours_url}/v1/index/pods")).json()["pods"].items()}
+            engines = {f"pod-{i}": len(e.cached_block_hashes()) for i, e in enumerate(w.engines)}
+            print(f"  our index holds {held}: {'as' if held == engines else 'NOT as (not valid)'} the engines", flush=True)
+            if dyn_port:  # (the count above is over every outcome: a rejected event counts as applied)
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{dyn_port}", timeout=5) as dh:
+                    outcomes = await _dynamo_outcomes(dh)
+                bad = {k: v for k, v in outcomes.items() if not k.endswith(":ok")}
+                print(f"  dynamo's events by outcome: {outcomes}"
+                      + (f" (NOT VALID: it rejected {sum(bad.values()):.0f})" if bad else ""), flush=True)
 
             qs = queries(w, args.queries, args.seed + 1)
             agree = {"ours": 0, "dynamo": 0, "ours=dynamo": 0}
