@@ -44,7 +44,7 @@ from typing import Any
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from consumers import bus
 from consumers.index_api import (  # noqa: F401 - re-exported: the indexer's public API
@@ -138,6 +138,14 @@ class IndexerMetrics:
         seq = GaugeMetricFamily("infernex_indexer_applied_stream_seq", "Last stream sequence applied")
         seq.add_metric([], s.applied_seq)
         yield seq
+        sp = s.index.spares
+        if isinstance(sp, PrefaultingSpares):
+            c = CounterMetricFamily("infernex_indexer_spare_tables", "Index tables made ahead of a doubling "
+                                    "(streams.kv_spares), by outcome: made, taken by a doubling, dropped unused",
+                                    labels=["outcome"])
+            for outcome, n in (("made", sp.made), ("taken", sp.taken), ("dropped", sp.dropped)):
+                c.add_metric([outcome], n)
+            yield c
 
 
 _ANOMALIES = ("unknown_parent", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",

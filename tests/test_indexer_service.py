@@ -166,6 +166,9 @@ async def test_consumes_and_answers_over_http_and_nats(service, nc, prefix):
         assert "infernex_indexer_batches_total 4.0" in metrics
         assert "infernex_indexer_query_seconds_count{via=\"http\"}" in metrics
         assert "infernex_indexer_snapshot_age_seconds" in metrics
+        # tables made ahead of a doubling: none for a handful of blocks (they start at 65,536 rows)
+        assert 'infernex_indexer_spare_tables_total{outcome="made"} 0.0' in metrics
+        assert 'infernex_indexer_spare_tables_total{outcome="dropped"} 0.0' in metrics
 
 
 async def test_poison_messages_go_to_the_dead_letter_subject(service, nc, prefix):
