@@ -148,7 +148,7 @@ class IndexerMetrics:
             yield c
 
 
-_ANOMALIES = ("unknown_parent", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",
+_ANOMALIES = ("unknown_parent", "unknown_parent_blocks", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",
               "epoch_resets", "rejected", "held", "out_of_bounds", "heartbeats")
 
 
