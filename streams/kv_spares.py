@@ -18,6 +18,7 @@ use it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -101,6 +102,12 @@ class PrefaultingSpares(Spares):
             return sorted(self._ready)
 
     def _run(self) -> None:
+        # the lowest CPU priority: on a busy machine the fold and the engines' own work go first, and a
+        # spare not ready in time only means a doubling as without spares
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):  # (not Linux, or not allowed)
+            pass
         while True:
             key = self._queue.get()
             table = np.empty(key, dtype=np.uint64)
