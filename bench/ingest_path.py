@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import http.client
 import json
 import multiprocessing as mp
@@ -378,6 +379,12 @@ async def _dynamo_outcomes(http) -> dict[str, float]:
 
 def _workload_resident(args) -> int:
     """Blocks one engine holds after the warm-up and the flat-out frames."""
+    return _resident(args.stored, args.removed, args.block_size, args.frames)
+
+
+@functools.cache
+def _resident(stored: int, removed: int, block_size: int, frames: int) -> int:
+    args = argparse.Namespace(stored=stored, removed=removed, block_size=block_size, frames=frames)
     eng = _Engine(7, args.stored, args.removed, args.block_size)
     eng.system(*_system_chain(args))
     for _ in range(args.frames):

@@ -148,8 +148,8 @@ class IndexerMetrics:
             yield c
 
 
-_ANOMALIES = ("unknown_parent", "unknown_parent_blocks", "unknown_removed", "duplicates", "aliases", "stale_batches", "gaps",
-              "epoch_resets", "rejected", "held", "out_of_bounds", "heartbeats")
+_ANOMALIES = ("unknown_parent", "unknown_parent_blocks", "unknown_removed", "duplicates", "aliases",
+              "stale_batches", "gaps", "epoch_resets", "rejected", "held", "out_of_bounds", "heartbeats")
 
 
 class IndexerService:

@@ -9,11 +9,9 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-import msgspec
+from test_bridge_decode import to_batch
 
-from consumers.kv_wire import OutBatch, decode_frame
-from schemas import KvEventBatch
-from schemas import kv_binary
+from consumers.kv_wire import decode_frame
 from streams.clock import ManualClock
 from streams.kv_index import KvIndex
 
@@ -22,17 +20,8 @@ ingest_path = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ingest_path)
 
 
-def _batch(payload: bytes, pod: str, seq: int) -> KvEventBatch:
-    """The frame as the bridge publishes it (binary), read back as the indexer's batch."""
-    norm = decode_frame(payload)
-    out = OutBatch(pod, "m", 0, 0, seq, norm.ts, norm.events)
-    if any(type(e) in (kv_binary.WStored, kv_binary.WRemoved) for e in norm.events):
-        return KvEventBatch.model_validate(kv_binary.to_docs(kv_binary.encode(out))[0])
-    return KvEventBatch.from_json(msgspec.json.encode(out))
-
-
 def _fold(index: KvIndex, pod: str, frames: list[bytes], first_seq: int = 0):
-    stats = [index.apply(_batch(f, pod, first_seq + i)) for i, f in enumerate(frames)]
+    stats = [index.apply(to_batch(decode_frame(f), first_seq + i, pod=pod)) for i, f in enumerate(frames)]
     return sum(s.unknown_parent for s in stats), sum(s.unknown_removed for s in stats), sum(s.blocks_stored for s in stats)
 
 

@@ -64,10 +64,10 @@ def vllm_hashes(tokens: list[int], block_size: int) -> list[bytes]:
     return out
 
 
-def to_batch(norm, seq=3, epoch=0) -> KvEventBatch:
+def to_batch(norm, seq=3, epoch=0, pod="pod-a") -> KvEventBatch:
     """The batch the bridge publishes: the compiled decoder's events (wire structs) in the binary
     encoding, the Python path's as JSON; read back as the schema's batch."""
-    out = OutBatch("pod-a", "m", 0 if norm.dp_rank is None else norm.dp_rank, epoch, seq, norm.ts, norm.events)
+    out = OutBatch(pod, "m", 0 if norm.dp_rank is None else norm.dp_rank, epoch, seq, norm.ts, norm.events)
     if any(type(e) in (kv_binary.WStored, kv_binary.WRemoved) for e in norm.events):
         return KvEventBatch.model_validate(kv_binary.to_docs(kv_binary.encode(out))[0])
     return KvEventBatch.from_json(msgspec.json.encode(out))
