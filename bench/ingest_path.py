@@ -37,6 +37,7 @@ import os
 import random
 import signal
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -305,6 +306,23 @@ async def bus_and_indexer(server, tmp: str, procs: list[subprocess.Popen],
     return env, port
 
 
+def _spy(folder: str, pids: dict[str, list[int]], encoding: str) -> list[subprocess.Popen]:
+    """py-spy on every process of the path for the flat-out window: ``<folder>/<encoding>-<role>-<pid>.raw``
+    (collapsed stacks; py-spy is not a dependency: ``pip install py-spy`` first)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    out = []
+    for role, ps in pids.items():
+        if role == "nats-server":
+            continue
+        for pid in ps:
+            out.append(subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "-o",
+                                         str(Path(folder) / f"{encoding.replace('@', '-')}-{role}-{pid}.raw")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # attached before the first flat-out frame
+    return out
+
+
 def stop_procs(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
     """SIGTERM every process still running, wait for each, kill what does not stop."""
     for p in procs:
@@ -508,11 +526,16 @@ async def one_run(encoding: str, args) -> dict:
             cmds.put("hold")  # ends the warm-up; its last frames applied before the base is read and the
             await asyncio.sleep(0.5)  # clock started, both before the first flat-out frame
             base = await _metric(http, "infernex_indexer_batches_total")
+            spies = _spy(args.profile, pids, encoding) if args.profile else []
             c0, t0 = cpu(), time.perf_counter()
             cmds.put("flat")
             want = base + args.frames * args.pods
             got, t1, c1 = await _until_applied(lambda: _metric(http, "infernex_indexer_batches_total"), want, done,
                                                args.timeout, cpu)
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+            for spy in spies:
+                spy.wait(30)
             n = got - base
             stored = n * args.stored
             res = {"encoding": encoding, "batches": n, "lost": args.frames * args.pods - n, "wall_s": t1 - t0, "blocks_per_s": stored / (t1 - t0),
@@ -598,6 +621,7 @@ def main() -> None:
                     help="the indexer's reserve_blocks (its tables sized for this many blocks up front; 0: they grow, "
                          "each doubling a rehash that stalls the fold)")
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--profile", help="a folder: py-spy profiles of the bridges and the indexer in the flat-out window")
     ap.add_argument("--encodings", default="json,binary1,binary",
                     help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
     ap.add_argument("--group-max", type=int, default=64, help="the bridges' --group-max for 'binary'")
