@@ -412,6 +412,22 @@ class KvBridge:
         await self.publisher.put(_Item(self.subject, data, f"{self._pod}:{epoch}:{seq}", t0, stored, removed,
                                        headers=hdrs))
 
+    async def _queue_run(self, got: list[tuple[bytes, int, int]], epoch: int, first: int, t0: float) -> None:
+        """:meth:`_queue` for the transcoder's consecutive binary batches from ``first``, without a
+        coroutine per batch: they are held to be grouped, a group published whenever one is full."""
+        if not self._group:
+            for k, (data, stored, removed) in enumerate(got):
+                await self._queue(data, None, epoch, first + k, t0, stored, removed)
+            return
+        most, most_bytes = self.cfg.group_max, self.cfg.group_max_bytes
+        pending = self._pending
+        for k, (data, stored, removed) in enumerate(got):
+            if pending and (len(pending) >= most or self._pending_bytes + len(data) > most_bytes):
+                await self.flush()
+                pending = self._pending
+            pending.append((data, epoch, first + k, t0, stored, removed))
+            self._pending_bytes += len(data)
+
     def _plain_run(self, drained: list[list[bytes]], i: int) -> int:
         """How many frames from ``drained[i]`` continue the sequence with nothing to decide: no gap,
         no restart, no reset owed (the transcoder's case)."""
@@ -441,11 +457,10 @@ class KvBridge:
                 if got:
                     self.stats.last_frame_at = t0
                     self._last_put = time.monotonic()
-                for k, (data, stored, removed) in enumerate(got):
-                    self.stats.frames += 1
-                    self.metrics.frames_live += 1
-                    self.tracker.accept(first + k)
-                    await self._queue(data, None, epoch, first + k, t0, stored, removed)
+                    self.stats.frames += len(got)
+                    self.metrics.frames_live += len(got)
+                    self.tracker.accept(first + len(got) - 1)  # (a plain run: no reset owed, none skipped)
+                    await self._queue_run(got, epoch, first, t0)
                 i += len(got)
                 if len(got) == run:
                     continue
