@@ -46,7 +46,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from consumers import bus
+from consumers import bus, index_columns
 from consumers.index_api import (  # noqa: F401 - re-exported: the indexer's public API
     IndexQuery,
     QueryError,
@@ -190,8 +190,9 @@ class IndexerService:
         self.restore_timings: dict[str, float] = {}
         self._since_snapshot = 0
         self._lock = asyncio.Lock()  # applying and snapshotting exclude each other
-        self._buf: list[KvEventBatch] = []
-        self._buf_seqs: list[int] = []  # the stream sequence of each queued batch
+        self._buf: list[KvEventBatch | kv_binary.WRun] = []  # (a group in columns: several batches)
+        self._buf_seqs: list[int] = []  # the stream sequence of each queued item
+        self._buf_batches = 0  # the batches queued (a run counts its own)
         # (pod, epoch, seq) -> stream sequence, for batches the fold may be holding back for an
         # earlier one: a snapshot covers the stream only up to the first of them
         self._wait_seq: dict[tuple[str, int, int], int] = {}
@@ -223,6 +224,7 @@ class IndexerService:
 
     async def start(self) -> None:
         await asyncio.to_thread(warm_up)  # the fold's kernels: compiled or loaded before the first event
+        await asyncio.to_thread(index_columns.warm_up)  # (and the group reader's)
         self._nc = await bus.connect(self.nats_config, name=f"indexer-{self.config.durable}")
         self._js = self._nc.jetstream()
         try:  # (a node that just died may have led the stream: wait out the election)
@@ -486,17 +488,26 @@ class IndexerService:
             return
         self._next_dseq = dseq + 1
         if sseq > self._taken_seq:  # else: a redelivery of something already taken
-            whole = fold_group(msg.data)  # a group decoded in one call, when every batch in it is good
-            if whole is not None and all(self._names_match(msg.subject, b) for b in whole):
-                self._buf.extend(whole)
-                self._buf_seqs.extend(repeat(sseq, len(whole)))
+            # a bridge's group read straight into columns (the common case), else decoded in one call
+            # when every batch in it is good, else batch by batch
+            run = index_columns.wire_run(msg.data, fold_group)
+            if run is not None and self._names.match(msg.subject, run.pod, run.model):
+                self._buf.append(run)
+                self._buf_seqs.append(sseq)
+                self._buf_batches += len(run)
             else:
-                await self._take_parts(msg, sseq)
+                whole = fold_group(msg.data)
+                if whole is not None and all(self._names_match(msg.subject, b) for b in whole):
+                    self._buf.extend(whole)
+                    self._buf_seqs.extend(repeat(sseq, len(whole)))
+                    self._buf_batches += len(whole)
+                else:
+                    await self._take_parts(msg, sseq)
             self._taken_seq = sseq
         self._last_msg = msg
         self._unacked += 1
         waiting = self._psub.pending_msgs
-        if len(self._buf) >= self._chunk:
+        if self._buf_batches >= self._chunk:
             self._flush()
         elif not waiting and self._buf and self._flush_handle is None:
             # nothing else queued: fold shortly, so messages trickling in are folded in runs (one
@@ -540,6 +551,7 @@ class IndexerService:
             else:
                 self._buf.append(batch)
                 self._buf_seqs.append(sseq)
+                self._buf_batches += 1
 
     def _lost(self, msg, part: int | None) -> None:  # noqa: ANN001 - a nats-py message
         """A dead-lettered batch (``part`` of the message; None: all of it): from the message's
@@ -585,21 +597,28 @@ class IndexerService:
         buf = self._buf
         if not buf:
             return
-        seqs = self._buf_seqs
+        seqs, n = self._buf_seqs, self._buf_batches
         self._buf = []
         self._buf_seqs = []
+        self._buf_batches = 0
         st = self.index.apply_many(buf)
+        run = kv_binary.WRun
         if st.held:
             for b, sseq in zip(buf, seqs):
-                self._wait_seq.setdefault((b.pod, b.epoch, b.seq), sseq)
+                for at in (b.positions() if type(b) is run else ((b.pod, b.epoch, b.seq),)):
+                    self._wait_seq.setdefault(at, sseq)
         self.applied_seq = self._taken_seq
-        self._since_snapshot += len(buf)
+        self._since_snapshot += n
         self._count(st)
         if not st.stale_batches:  # replayed (stale) batches would show their age, not our lag
             now = self.clock.now()
             obs = self.metrics.lag.observe
             for b in buf:
-                obs(max(0.0, now - b.ts))
+                if type(b) is run:
+                    for ts in b.ts.tolist():
+                        obs(max(0.0, now - ts))
+                else:
+                    obs(max(0.0, now - b.ts))
 
     async def _apply_one(self, batch: KvEventBatch, msg, sseq: int | None = None) -> None:
         try:
@@ -694,6 +713,7 @@ class IndexerService:
                 async with self._lock:
                     self._buf = []
                     self._buf_seqs = []
+                    self._buf_batches = 0
                     self._taken_seq = self.applied_seq
                     self._last_msg = None
                     self._unacked = 0

@@ -139,6 +139,48 @@ class WGroup(msgspec.Struct, tag=GROUP_TAG, array_like=True, gc=False):
     batches: Annotated[list[WBatch], msgspec.Meta(min_length=1)]
 
 
+class WRun:
+    """A group message's batches in columns: consecutive batches of one pod, epoch and model whose
+    events are all stores with block digests (no keys, salts or LoRA; one block size) and removals,
+    what a bridge sends all day. Made by a consumer's compiled reader
+    (:func:`consumers.index_columns.wire_run`) after the schema's checks; the fold takes it in a few
+    array operations (:meth:`streams.kv_index.KvIndex.apply_many`), or batch by batch through
+    :meth:`batches` when the pod is not simply at its next batch.
+
+    Per event: ``kind`` (0 stored, 1 removed), ``medium`` (an index into ``mediums``; -1: none,
+    the primary tier), ``parent`` / ``has_parent`` (a store's parent block hash), ``hash_end`` and
+    ``digest_end`` (where its hashes end in ``hashes``, its digests in ``digests``, counted in
+    ``uint32`` halves as the fold's token buffer counts them). Per batch: ``ts``."""
+
+    __slots__ = ("pod", "model", "epoch", "first_seq", "seq", "ts", "block_size", "kind", "medium", "mediums",
+                 "parent", "has_parent", "hash_end", "digest_end", "hashes", "digests", "stored", "removed",
+                 "data", "_decode")
+
+    def __init__(self, pod: str, model: str, epoch: int, first_seq: int, ts: Any, block_size: int, kind: Any,
+                 medium: Any, mediums: list[str], parent: Any, has_parent: Any, hash_end: Any, digest_end: Any,
+                 hashes: Any, digests: Any, stored: int, removed: int, data: bytes, decode: Any) -> None:
+        self.pod, self.model, self.epoch = pod, model, epoch
+        self.first_seq, self.seq = first_seq, first_seq + len(ts) - 1
+        self.ts, self.block_size = ts, block_size
+        self.kind, self.medium, self.mediums = kind, medium, mediums
+        self.parent, self.has_parent, self.hash_end, self.digest_end = parent, has_parent, hash_end, digest_end
+        self.hashes, self.digests = hashes, digests
+        self.stored, self.removed = stored, removed
+        self.data = data
+        self._decode = decode
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def batches(self) -> list[WBatch]:
+        """The same batches as checked wire structs (the decoder the reader was given)."""
+        return self._decode(self.data)
+
+    def positions(self) -> list[tuple[str, int, int]]:
+        """``(pod, epoch, seq)`` of each batch, in order."""
+        return [(self.pod, self.epoch, s) for s in range(self.first_seq, self.seq + 1)]
+
+
 _decoder = msgspec.msgpack.Decoder(WBatch)
 _group_decoder = msgspec.msgpack.Decoder(WGroup)
 _any_decoder = msgspec.msgpack.Decoder(Union[WBatch, WGroupRaw])

@@ -68,7 +68,7 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from schemas.kv import MAX_EPOCH, MAX_SEQ, BlockRemoved, BlockStored, KvEventBatch, PodGone, PodReset
-from schemas.kv_binary import WRemoved, WStored
+from schemas.kv_binary import WRemoved, WRun, WStored
 from streams import kv_core as core
 from streams.clock import Clock, ManualClock
 from streams.kv_keys import lora_seed
@@ -665,11 +665,15 @@ class KvIndex:
             if seen is None:
                 now = self.clock.now()
                 for b in batches:
-                    if not fast(b, st, now):
+                    if type(b) is WRun:
+                        self._apply_wire_run(b, st, now)
+                    elif not fast(b, st, now):
                         ap(b, st, now)
             else:
                 for b, now in zip(batches, seen, strict=True):
-                    if not fast(b, st, now):
+                    if type(b) is WRun:
+                        self._apply_wire_run(b, st, now)
+                    elif not fast(b, st, now):
                         ap(b, st, now)
             self._flush()
         finally:
@@ -687,6 +691,46 @@ class KvIndex:
         Folding many batches with :meth:`apply_many` is cheaper (one kernel call for all).
         """
         return self.apply_many((batch,))
+
+    def _apply_wire_run(self, run: WRun, st: ApplyStats, now: float) -> None:
+        """A group's batches in columns (:class:`schemas.kv_binary.WRun`): appended to the kernel's
+        buffers in a few array operations when the pod is at the run's first batch (what
+        :meth:`_apply_next` checks per batch, checked once), else batch by batch."""
+        pod = self._pods.get(run.pod)
+        m = self._ops.model
+        if (pod is None or m is None or pod.model != run.model or m.name != pod.model or pod.epoch != run.epoch
+                or run.first_seq != pod.seq + 1 or run.seq > MAX_SEQ or (self._waiting and run.pod in self._waiting)
+                or (self._lost and run.pod in self._lost) or pod.slot >= 64 * m.W
+                or (run.stored and run.block_size != m.block_size)
+                or any(name not in m.tidx for name in run.mediums)):
+            fast, ap = self._apply_next, self._apply
+            for b in run.batches():
+                if not fast(b, st, now):
+                    ap(b, st, now)
+            return
+        ops = self._ops
+        tiers = np.array([*(m.tidx[name] for name in run.mediums), m.tidx[PRIMARY_TIER]], dtype=np.int64)
+        stored = run.kind == 0
+        n = len(stored)
+        meta = np.empty((n, 6), dtype=np.int64)
+        meta[:, 0] = run.kind  # (OP_STORE 0, OP_REMOVE 1: the kinds' own values)
+        meta[:, 1] = tiers[run.medium] | (pod.slot << core.TIER_BITS)  # (medium -1: the last, the primary tier)
+        meta[:, 2] = np.where(stored, np.where(run.has_parent, _HASH_DIGESTS, _ROOT_DIGESTS), 0)
+        meta[:, 3] = np.where(stored, m.block_size, 0)
+        meta[:, 4] = run.hash_end + len(ops.hashes)
+        meta[:, 5] = run.digest_end + len(ops.tokens)
+        ops.meta.frombytes(memoryview(meta).cast("B"))
+        parents = np.where(stored, np.where(run.has_parent, run.parent, _NO_LORA_SEED), 0).astype(np.uint64)
+        ops.parents.frombytes(memoryview(parents).cast("B"))
+        ops.salts.frombytes(bytes(8 * n))
+        ops.hashes.frombytes(memoryview(run.hashes).cast("B"))
+        ops.tokens.frombytes(memoryview(run.digests).cast("B"))
+        st.batches += len(run)
+        st.events += n
+        pod.seq = run.seq
+        pod.last_event_ts = float(run.ts[-1])
+        pod.last_seen = now
+        pod.exact = True
 
     def _apply_next(self, b, st: ApplyStats, now: float) -> bool:
         """The common case in few steps, or False (nothing done) for :meth:`_apply`: a binary
