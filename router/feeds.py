@@ -269,10 +269,19 @@ class BusFeeds:
         global _FOLDS
         if _FOLDS is None:  # (imported once: the codec loads numba, which only a KV feed needs)
             from consumers.index_codec import fold_batch, fold_group
+            from consumers.index_columns import wire_run
 
-            _FOLDS = (fold_group, fold_batch)
-        fold_group, fold_batch = _FOLDS
+            _FOLDS = (fold_group, fold_batch, wire_run)
+        fold_group, fold_batch, wire_run = _FOLDS
         data = msg.data
+        run = wire_run(data, fold_group)  # a bridge's group in columns (the common case)
+        if run is not None and self._kv_names.match(msg.subject, run.pod, run.model):
+            try:
+                self.index.apply_many((run,))
+            except (ValueError, KeyError):
+                return False
+            self.applied.labels("KvEventBatch").inc(len(run))
+            return True
         whole = fold_group(data)
         if whole is None:
             one = None if is_group(data) else fold_batch(data)

@@ -102,6 +102,34 @@ def test_singles_groups_and_json_fold_to_the_batches_index():
     assert _applied(registry) == len(batches) and not letters.sent
 
 
+def test_a_bridges_groups_with_digests_fold_in_columns_to_the_batches_index():
+    """What a bridge sends all day (groups of binary batches, block digests in place of token ids)
+    goes through the compiled columns path (consumers.index_columns) and gives the same index."""
+    from consumers.index_codec import fold_group
+    from consumers.index_columns import AVAILABLE, wire_run
+    from consumers.kv_digests import with_digests
+
+    if not AVAILABLE:
+        import pytest
+        pytest.skip("needs numba")
+    batches = _batches(40)
+    truth = KvIndex(ManualClock())
+    truth.apply_many(batches)
+    feeds, index, letters, cb, registry = _feed()
+
+    def enc(b: KvEventBatch) -> bytes:
+        w = kv_binary.to_wire(b)
+        w.events = with_digests(w.events)
+        return kv_binary.encode_wire(w)
+
+    msgs = [kv_binary.group([enc(b) for b in batches[i:i + 5]]) for i in range(0, len(batches), 5)]
+    assert all(wire_run(m, fold_group) is not None for m in msgs)  # the columns path takes every one
+    for m in msgs:
+        asyncio.run(cb(_Msg(m)))
+    assert index == truth
+    assert _applied(registry) == len(batches) and not letters.sent
+
+
 def test_a_bad_single_binary_batch_is_dead_lettered_with_its_reason_and_the_rest_applies():
     batches = _batches(6)
     truth = KvIndex(ManualClock())
