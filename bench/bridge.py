@@ -122,7 +122,7 @@ async def end_to_end(args) -> tuple[float, float, int, float]:
         proc.join(10)
         info = await js.stream_info(stream)
         last = await js.get_last_msg(stream, subject)
-        KvEventBatch.from_bytes(last.data)  # what was stored is valid (binary by default)
+        KvEventBatch.all_from_bytes(last.data)  # what was stored is valid (binary groups by default)
         await nc.close()
         n = bridge.stats.published
         per = args.stored + args.removed

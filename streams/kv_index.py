@@ -247,6 +247,7 @@ class PodInfo:
 
 #: tables smaller than this grow in well under a millisecond: none is made ahead for them
 SPARE_MIN_ROWS = 1 << 16
+_EARLY_LOAD = EARLY * core.LOAD
 
 
 class _Model:
@@ -325,12 +326,16 @@ class _Model:
         return core.grow_pairs(t, cap, out) if pairs else core.grow_kt(t, cap, out)
 
     def want_spares(self) -> None:
-        """Ask for the next size of each table past :data:`streams.kv_spares.EARLY` of its load factor."""
-        sz = self.sz
-        for t, rows in ((self.kt, sz[0]), (self.em, sz[1]), (self.ex, sz[2]), (self.pk, self.psz[0]),
-                        (self.pe, self.psz[1])):
+        """Ask for the next size of each table past :data:`streams.kv_spares.EARLY` of its load factor.
+        (Called after every fold and every route noted: tables below :data:`SPARE_MIN_ROWS` are
+        skipped before their sizes are read.)"""
+        tables = [t for t in (self.kt, self.em, self.ex, self.pk, self.pe) if t.shape[0] >= SPARE_MIN_ROWS]
+        if not tables:
+            return
+        rows = dict(zip(map(id, (self.kt, self.em, self.ex, self.pk, self.pe)), self.sz.tolist() + self.psz.tolist()))
+        for t in tables:
             cap = t.shape[0]
-            if rows > EARLY * core.LOAD * cap and cap >= SPARE_MIN_ROWS:
+            if rows[id(t)] > _EARLY_LOAD * cap:
                 self.spares.want(cap * 2, t.shape[1])
 
     def reserve_predictions(self, n: int) -> None:
