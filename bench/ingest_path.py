@@ -75,12 +75,13 @@ class _Engine:
     removal named a random hash: our index and Dynamo's both skipped every store, and the figures
     measured two systems rejecting the events.)"""
 
-    def __init__(self, seed: int, stored: int, removed: int, block_size: int):
+    def __init__(self, seed: int, stored: int, removed: int, block_size: int, capacity: int = 0):
         import numpy as np
 
         self.rng = random.Random(seed)
         self.np = np.random.default_rng(seed)
         self.stored, self.removed, self.bs = stored, removed, block_size
+        self.capacity = capacity  # blocks the engine's cache holds (0: no bound): past it, a store evicts as many
         self.convs: deque[list[int]] = deque()  # conversations' block hashes, oldest first
         self.resident = 0  # blocks the engine holds now (what the index should hold for it)
 
@@ -116,7 +117,8 @@ class _Engine:
         self.resident += len(hashes)
         events = [block_stored(hashes, parent, toks, self.bs)]
         gone: list[int] = []
-        while len(gone) < self.removed and len(self.convs) > 1:
+        want = max(self.removed, self.resident - self.capacity) if self.capacity else self.removed
+        while len(gone) < want and len(self.convs) > 1:
             oldest = self.convs[0]
             gone.append(oldest.pop())
             if not oldest:
@@ -135,14 +137,19 @@ def _system_chain(args) -> tuple[list[int], list[int]]:
             [rng.randrange(151_000) for _ in range(args.stored * args.block_size)])
 
 
-def _workload(args) -> tuple[bytes, list[bytes], _Engine]:
-    """The warm-up frame, the flat-out frames (the same for every pod) and the engine after them."""
+def _workload(args) -> tuple[bytes, list[bytes], list[bytes], _Engine]:
+    """The warm-up frame, the frames that fill the engine's cache to ``--capacity`` (none without
+    one), the flat-out frames (the same for every pod) and the engine after them."""
     from simulator.kv_events import encode_batch
 
-    eng = _Engine(7, args.stored, args.removed, args.block_size)
+    cap = getattr(args, "capacity", 0)
+    eng = _Engine(7, args.stored, args.removed, args.block_size, cap)
     warm = encode_batch(eng.system(*_system_chain(args)), ts=1.0)
+    fill = []
+    while cap and eng.resident + args.stored <= cap:
+        fill.append(encode_batch(eng.next_events(), ts=1.0))
     flat = [encode_batch(eng.next_events(), ts=1.0) for _ in range(args.frames)]
-    return warm, flat, eng
+    return warm, fill, flat, eng
 
 
 def _frames(rng: random.Random, n: int, stored: int, removed: int, block_size: int, ts: float | None) -> list[bytes]:
@@ -190,7 +197,7 @@ def publisher_proc(ports, cmds, done, args) -> None:
         s.bind(f"tcp://127.0.0.1:{p}")
         socks.append(s)
     seqs = [0] * len(socks)
-    warm, flat, eng = _workload(args)
+    warm, fill, flat, eng = _workload(args)
     engines = [eng.reseed(100 + k) for k in range(len(socks))]  # the paced phase: each pod its own events
     from simulator.kv_events import encode_batch
 
@@ -209,7 +216,13 @@ def publisher_proc(ports, cmds, done, args) -> None:
                         seqs[k] += 1
         if cmd == "hold":  # the warm-up's frames stop: the driver reads its base count in quiet
             continue
-        if cmd == "flat":
+        if cmd == "fill":  # the engines' caches filled to --capacity (before the clock starts)
+            for payload in fill:
+                for k, s in enumerate(socks):
+                    s.send_multipart((b"kv@", seqs[k].to_bytes(8, "big"), payload), copy=False)
+                    seqs[k] += 1
+            done.put(len(fill) * len(socks))
+        elif cmd == "flat":
             for i in range(args.frames):
                 payload = flat[i]
                 for k, s in enumerate(socks):
@@ -349,6 +362,22 @@ DYNAMO_APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
 QUERY_SECONDS = "infernex_indexer_query_seconds"
 
 
+async def _fill(args, cmds, done, count) -> None:
+    """With ``--capacity``: the engines' caches filled before the clock starts, and every fill frame
+    applied (``count()``: the batches, or Dynamo's stored events, applied so far; a fill frame is one)."""
+    n = _fill_frames(args) * args.pods
+    if not n:
+        return
+    base = await count()
+    cmds.put("fill")
+    done.get(timeout=args.timeout)
+    deadline = time.monotonic() + args.timeout
+    while await count() < base + n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the fill frames were not all applied ({await count() - base:.0f} of {n})")
+        await asyncio.sleep(0.05)
+
+
 async def _until_applied(count, want, done, timeout, cpu):
     """Poll ``count()`` until it reaches ``want``, or the publisher is done and nothing more was
     applied for 2 s (frames ZMQ dropped under the flat-out load never come: the rate counts up
@@ -397,17 +426,33 @@ async def _dynamo_outcomes(http) -> dict[str, float]:
 
 def _workload_resident(args) -> int:
     """Blocks one engine holds after the warm-up and the flat-out frames."""
-    return _resident(args.stored, args.removed, args.block_size, args.frames)
+    return _resident(args.stored, args.removed, args.block_size, args.frames, getattr(args, "capacity", 0))
 
 
 @functools.cache
-def _resident(stored: int, removed: int, block_size: int, frames: int) -> int:
+def _resident(stored: int, removed: int, block_size: int, frames: int, capacity: int = 0) -> int:
     args = argparse.Namespace(stored=stored, removed=removed, block_size=block_size, frames=frames)
-    eng = _Engine(7, args.stored, args.removed, args.block_size)
+    eng = _Engine(7, args.stored, args.removed, args.block_size, capacity)
     eng.system(*_system_chain(args))
+    while capacity and eng.resident + stored <= capacity:  # (the fill frames)
+        eng.next_events()
     for _ in range(args.frames):
         eng.next_events()
     return eng.resident
+
+
+def _fill_frames(args) -> int:
+    """How many frames fill one engine's cache to ``--capacity`` (0 without one)."""
+    cap = getattr(args, "capacity", 0)
+    if not cap:
+        return 0
+    eng = _Engine(7, args.stored, args.removed, args.block_size, cap)
+    eng.system(*_system_chain(args))
+    n = 0
+    while eng.resident + args.stored <= cap:
+        eng.next_events()
+        n += 1
+    return n
 
 
 async def dynamo_run(args) -> dict:
@@ -440,6 +485,7 @@ async def dynamo_run(args) -> dict:
                 if time.monotonic() > deadline:
                     raise RuntimeError("dynamo.indexer applied nothing")
                 await asyncio.sleep(0.1)
+            await _fill(args, cmds, done, lambda: _dynamo_stored(http))
             cmds.put("hold")  # the warm-up's last frames applied before the base is read, the clock started
             await asyncio.sleep(0.5)  # before the first flat-out frame (else both come out short)
             base = await _dynamo_stored(http)
@@ -522,6 +568,7 @@ async def one_run(encoding: str, args) -> dict:
             return {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
 
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ix_port}", timeout=5) as http:
+            await _fill(args, cmds, done, lambda: _metric(http, "infernex_indexer_batches_total"))
             # flat-out
             cmds.put("hold")  # ends the warm-up; its last frames applied before the base is read and the
             await asyncio.sleep(0.5)  # clock started, both before the first flat-out frame
@@ -613,6 +660,10 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=2000, help="flat-out frames per pod")
     ap.add_argument("--stored", type=int, default=32, help="blocks stored per frame")
     ap.add_argument("--removed", type=int, default=8, help="blocks removed per frame")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="blocks each engine's cache holds: filled before the flat-out phase, which then evicts a "
+                         "block for each one stored (steady state: the index at its size, no table growing); 0: the "
+                         "engines' caches grow through the run")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rate", type=float, default=1000.0, help="paced phase: frames/s in total")
     ap.add_argument("--query-every", type=float, default=0.01, help="paced phase: an HTTP query this often (s)")

@@ -27,8 +27,9 @@ def _fold(index: KvIndex, pod: str, frames: list[bytes], first_seq: int = 0):
 
 def test_flat_out_frames_fold_with_nothing_skipped():
     args = argparse.Namespace(stored=8, removed=3, block_size=16, frames=120)
-    warm, flat, eng = ingest_path._workload(args)
+    warm, fill, flat, eng = ingest_path._workload(args)
     index = KvIndex(ManualClock(1000.0))
+    assert fill == []  # (no --capacity: nothing to fill)
     unknown_parent, unknown_removed, stored = _fold(index, "pod-0", [warm, warm, *flat])  # warm-up sent twice
     assert (unknown_parent, unknown_removed) == (0, 0)
     assert stored >= args.frames * args.stored
@@ -43,7 +44,7 @@ def test_flat_out_frames_fold_with_nothing_skipped():
 
 def test_paced_engines_go_on_from_the_flat_out_state():
     args = argparse.Namespace(stored=4, removed=2, block_size=16, frames=30)
-    warm, flat, eng = ingest_path._workload(args)
+    warm, fill, flat, eng = ingest_path._workload(args)
     index = KvIndex(ManualClock(1000.0))
     for k in range(2):
         _fold(index, f"pod-{k}", [warm, *flat])
@@ -56,3 +57,20 @@ def test_paced_engines_go_on_from_the_flat_out_state():
         assert (unknown_parent, unknown_removed) == (0, 0)
         assert sum(index.pods()[f"pod-{k}"].blocks.values()) == e.resident
     assert engines[0].resident != engines[1].resident or engines[0].convs != engines[1].convs
+
+
+def test_with_a_capacity_the_cache_is_filled_first_and_then_evicts_a_block_per_block_stored():
+    args = argparse.Namespace(stored=8, removed=3, block_size=16, frames=200, capacity=600)
+    warm, fill, flat, eng = ingest_path._workload(args)
+    assert len(fill) == ingest_path._fill_frames(args) > 0
+    index = KvIndex(ManualClock(1000.0))
+    unknown_parent, unknown_removed, _ = _fold(index, "pod-0", [warm, *fill])
+    assert (unknown_parent, unknown_removed) == (0, 0)
+    full = sum(index.pods()["pod-0"].blocks.values())
+    assert args.capacity - args.stored < full <= args.capacity  # filled to the capacity
+    unknown_parent, unknown_removed, stored = _fold(index, "pod-0", flat, first_seq=1 + len(fill))
+    assert (unknown_parent, unknown_removed) == (0, 0)
+    assert stored == args.frames * args.stored
+    held = sum(index.pods()["pod-0"].blocks.values())
+    assert held == eng.resident == ingest_path._workload_resident(args)
+    assert abs(held - full) <= args.stored  # steady: as many blocks evicted as stored
