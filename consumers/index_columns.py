@@ -2,8 +2,8 @@
 
 A bridge publishes one pod's consecutive batches as one group message (:mod:`schemas.kv_binary`).
 Decoding it into wire structs costs a Python object per batch and per event, and the fold then
-walks them in Python again: about 0.1 us per stored block, a third of the indexer's own work
-(bench/RESULTS.md, session 27). Here one numba call walks the whole message once, applies the
+walks them in Python again: in process about half of the decode and fold's 0.37-0.49 us per stored
+block (0.20-0.25 this way; bench/RESULTS.md, session 27). Here one numba call walks the whole message once, applies the
 schema's checks to it, and fills per-event arrays (:class:`schemas.kv_binary.WRun`) that the fold
 appends in a few array operations.
 
