@@ -114,6 +114,14 @@ class IndexerMetrics:
         self.query = Histogram("infernex_indexer_query_seconds", "Query latency", ["via"],
                                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
                                registry=registry)
+        self.messages = Counter("infernex_indexer_kv_messages_total",
+                                "KV messages taken, by how they were read: columns (a bridge's group, one "
+                                "compiled call), decoded (a batch or a group decoded whole), parts (batch by "
+                                "batch: a group with a bad batch, JSON, or a message for another subject)",
+                                ["path"], registry=registry)
+        self.via_columns = self.messages.labels("columns")
+        self.via_decoded = self.messages.labels("decoded")
+        self.via_parts = self.messages.labels("parts")
         self.snapshots = Counter("infernex_indexer_snapshots_total", "Snapshots written", registry=registry)
         self.snapshot_failures = Counter("infernex_indexer_snapshot_failures_total",
                                          "Snapshots abandoned (bucket unreachable, write timed out); the fold "
@@ -495,13 +503,16 @@ class IndexerService:
                 self._buf.append(run)
                 self._buf_seqs.append(sseq)
                 self._buf_batches += len(run)
+                self.metrics.via_columns.inc()
             else:
                 whole = fold_group(msg.data)
                 if whole is not None and all(self._names_match(msg.subject, b) for b in whole):
                     self._buf.extend(whole)
                     self._buf_seqs.extend(repeat(sseq, len(whole)))
                     self._buf_batches += len(whole)
+                    self.metrics.via_decoded.inc()
                 else:
+                    self.metrics.via_parts.inc()
                     await self._take_parts(msg, sseq)
             self._taken_seq = sseq
         self._last_msg = msg

@@ -180,7 +180,8 @@ KV_INDEX = Dashboard(
             (f"sum(rate(infernex_kv_bridge_frames_total[{RI}]))", "bridge frames in/s"),
             (f"sum(rate(infernex_kv_bridge_published_total[{RI}]))", "bridge batches acked/s"),
             (f"sum(rate(infernex_indexer_batches_total[{RI}]))", "indexer batches/s"),
-            (f"sum(rate(infernex_indexer_events_total[{RI}]))", "indexer events/s")],
+            (f"sum(rate(infernex_indexer_events_total[{RI}]))", "indexer events/s"),
+            (f"sum by (path) (rate(infernex_indexer_kv_messages_total[{RI}]))", "indexer messages/s read as {{path}}")],
             unit="ops"),
         Panel("Blocks applied per second", [
             (f"sum by (op) (rate(infernex_indexer_blocks_total[{RI}]))", "{{op}}")], unit="ops"),

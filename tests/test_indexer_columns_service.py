@@ -65,6 +65,9 @@ async def test_group_messages_fold_in_columns_as_batch_by_batch(nats_config, nc,
             assert getattr(service.index.totals, name) == getattr(truth.totals, name), name
         assert registry.get_sample_value("infernex_indexer_batches_total") == batches
         assert registry.get_sample_value("infernex_indexer_apply_lag_seconds_count") == batches
+        # and the service says so: every message read in columns
+        assert registry.get_sample_value("infernex_indexer_kv_messages_total", {"path": "columns"}) == len(groups)
+        assert not registry.get_sample_value("infernex_indexer_kv_messages_total", {"path": "parts"})
     finally:
         await service.stop()
         try:
