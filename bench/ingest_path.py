@@ -97,6 +97,10 @@ class _Engine:
         e.rng, e.np = random.Random(seed), np.random.default_rng(seed)
         return e
 
+    def filling(self) -> bool:
+        """Whether the next frame's blocks still fit the cache without an eviction (False without a capacity)."""
+        return bool(self.capacity) and self.resident + self.stored <= self.capacity
+
     def system(self, hashes: list[int], tokens: list[int]) -> list:
         from simulator.kv_events import block_stored
 
@@ -146,7 +150,7 @@ def _workload(args) -> tuple[bytes, list[bytes], list[bytes], _Engine]:
     eng = _Engine(7, args.stored, args.removed, args.block_size, cap)
     warm = encode_batch(eng.system(*_system_chain(args)), ts=1.0)
     fill = []
-    while cap and eng.resident + args.stored <= cap:
+    while eng.filling():
         fill.append(encode_batch(eng.next_events(), ts=1.0))
     flat = [encode_batch(eng.next_events(), ts=1.0) for _ in range(args.frames)]
     return warm, fill, flat, eng
@@ -426,33 +430,28 @@ async def _dynamo_outcomes(http) -> dict[str, float]:
 
 def _workload_resident(args) -> int:
     """Blocks one engine holds after the warm-up and the flat-out frames."""
-    return _resident(args.stored, args.removed, args.block_size, args.frames, getattr(args, "capacity", 0))
-
-
-@functools.cache
-def _resident(stored: int, removed: int, block_size: int, frames: int, capacity: int = 0) -> int:
-    args = argparse.Namespace(stored=stored, removed=removed, block_size=block_size, frames=frames)
-    eng = _Engine(7, args.stored, args.removed, args.block_size, capacity)
-    eng.system(*_system_chain(args))
-    while capacity and eng.resident + stored <= capacity:  # (the fill frames)
-        eng.next_events()
-    for _ in range(args.frames):
-        eng.next_events()
-    return eng.resident
+    return _counts(args.stored, args.removed, args.block_size, args.frames, getattr(args, "capacity", 0))[1]
 
 
 def _fill_frames(args) -> int:
     """How many frames fill one engine's cache to ``--capacity`` (0 without one)."""
-    cap = getattr(args, "capacity", 0)
-    if not cap:
-        return 0
-    eng = _Engine(7, args.stored, args.removed, args.block_size, cap)
+    return _counts(args.stored, args.removed, args.block_size, args.frames, getattr(args, "capacity", 0))[0]
+
+
+@functools.cache
+def _counts(stored: int, removed: int, block_size: int, frames: int, capacity: int) -> tuple[int, int]:
+    """(fill frames, blocks one engine holds after them, the warm-up and the flat-out frames): as
+    :func:`_workload`'s engine, without encoding its frames."""
+    args = argparse.Namespace(stored=stored, removed=removed, block_size=block_size, frames=frames)
+    eng = _Engine(7, args.stored, args.removed, args.block_size, capacity)
     eng.system(*_system_chain(args))
-    n = 0
-    while eng.resident + args.stored <= cap:
+    fill = 0
+    while eng.filling():
         eng.next_events()
-        n += 1
-    return n
+        fill += 1
+    for _ in range(args.frames):
+        eng.next_events()
+    return fill, eng.resident
 
 
 async def dynamo_run(args) -> dict:

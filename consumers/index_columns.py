@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from consumers import kv_wire_compiled as kwc
+from consumers.kv_transcode import _str  # (fixstr / str 8 / nil; a longer name is left to the decoder)
 from schemas import kv_binary
 from schemas.base import SCHEMA_VERSION
 from schemas.kv import MAX_EPOCH, MAX_SEQ
@@ -43,24 +44,6 @@ def _bin(buf, pos, n):  # pragma: no cover - compiled
         ln, s = np.int64(kwc._be(buf, pos + 1, 2)), pos + 3
     elif c == 0xC6:
         ln, s = np.int64(kwc._be(buf, pos + 1, 4)), pos + 5
-    elif c == 0xC0:
-        return 0, -1, pos + 1
-    else:
-        return 0, -2, pos
-    if s + ln > n:
-        return 0, -2, pos
-    return s, ln, s + ln
-
-
-def _str(buf, pos, n):  # pragma: no cover - compiled
-    """``(start, length, next)`` of a msgpack str at ``pos``; length -1 for nil, -2 anything else."""
-    c = np.int64(buf[pos])
-    if 0xA0 <= c <= 0xBF:
-        ln, s = c - 0xA0, pos + 1
-    elif c == 0xD9:
-        ln, s = np.int64(buf[pos + 1]), pos + 2
-    elif c == 0xDA:
-        ln, s = np.int64(kwc._be(buf, pos + 1, 2)), pos + 3
     elif c == 0xC0:
         return 0, -1, pos + 1
     else:
@@ -253,7 +236,6 @@ if AVAILABLE:
     from numba import njit
 
     _bin = njit(inline="always", cache=True)(_bin)
-    _str = njit(inline="always", cache=True)(_str)
     _same = njit(inline="always", cache=True)(_same)
     _le64 = njit(inline="always", cache=True)(_le64)
     _uint = njit(inline="always", cache=True)(_uint)
@@ -261,8 +243,6 @@ if AVAILABLE:
     _kernel = njit(cache=True)(_columns)
 else:
     _kernel = None
-
-_LITTLE_OK = AVAILABLE  # (the u64 columns are read as little-endian and used natively)
 
 
 def wire_run(data: bytes, decode) -> kv_binary.WRun | None:  # noqa: ANN001 - decode: bytes -> list[WBatch]

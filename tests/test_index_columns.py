@@ -25,7 +25,7 @@ from schemas import kv_binary
 from simulator.kv_events import block_removed, block_stored, encode_batch
 from streams.clock import ManualClock
 from streams.kv_index import KvIndex
-from test_kv_index_wire_path import _history, _stats
+from test_kv_index_wire_path import _history, _stats, assert_same_index
 
 pytestmark = pytest.mark.skipif(not (index_columns.AVAILABLE and kv_transcode.AVAILABLE), reason="needs numba")
 
@@ -94,6 +94,26 @@ def test_the_columns_hold_what_the_checked_decoder_reads(seed):
         dig = np.cumsum([2 * len(e.block_digests) if type(e) is kv_binary.WStored else 0
                          for b in want for e in b.events]).tolist()
         assert run.digest_end.tolist() == dig
+
+
+def test_groups_of_frames_vllm_encoded_itself_hold_what_the_checked_decoder_reads():
+    """Frames vLLM 0.11 / 0.22 / 0.33 encoded with their own classes (tests/fixtures/vllm), through the
+    bridge's transcoder and grouped as a bridge groups them: where the reader takes a group, it holds
+    what the checked decoder reads; vLLM 0.33's plain stores and removals are taken."""
+    from fixtures import vllm as fx
+
+    taken = set()
+    for f in fx.all_frames():
+        got = kv_transcode.Transcoder("pod-a", "m", 0, {}, digests=True).transcode([f.payload, f.payload], 5, 1)
+        if len(got) != 2:
+            continue  # a frame the transcoder leaves to the Python path
+        data = kv_binary.group([d for d, _, _ in got])
+        run = index_columns.wire_run(data, fold_group)
+        if run is not None:
+            taken.add(f.version)
+            assert _columns(run) == _columns_of(fold_group(data)), f.name
+            assert run.first_seq == 5 and run.seq == 6 and run.epoch == 1
+    assert "0.33.0" in taken
 
 
 def test_mutated_messages_are_never_read_past_the_checked_decoder():
@@ -222,13 +242,4 @@ def test_runs_fold_as_the_general_path(seed, window):
         if window:
             assert _stats(general.release_expired()) == _stats(columns.release_expired())
     assert runs > 20 and fallbacks > 20  # both paths really ran
-    assert general.dump() == columns.dump()
-    assert {p: (i.blocks, i.epoch, i.seq, i.last_event_ts) for p, i in general.pods().items()} == \
-        {p: (i.blocks, i.epoch, i.seq, i.last_event_ts) for p, i in columns.pods().items()}
-    for b in history[::7]:
-        for e in b.events:
-            if isinstance(e, BlockStored) and e.parent_block_hash is None:
-                got_a = general.match_tokens("m", e.token_ids, lora=e.lora_name or e.lora_id)
-                got_b = columns.match_tokens("m", e.token_ids, lora=e.lora_name or e.lora_id)
-                assert {p: (x.matched_blocks, x.tiers) for p, x in got_a.items()} == \
-                    {p: (x.matched_blocks, x.tiers) for p, x in got_b.items()}
+    assert_same_index(general, columns, history)
