@@ -40,9 +40,9 @@ class RouterApp:
         self.epp = None  # router.epp.EppServer when cfg.epp_port is set
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
-        from streams.kv_index import warm_up
+        from router.feeds import warm_up
 
-        await asyncio.to_thread(warm_up)  # the KV index kernels, before the first event or request
+        await asyncio.to_thread(warm_up)  # the KV index's and the KV feed's kernels, before the first event or request
         if self.cfg.tokenize_threads and "TOKENIZERS_PARALLELISM" not in os.environ:
             # the router's tokenizer threads run prompts side by side; tokenizers' own thread pool
             # within each prompt then only adds its workers' spinning (about 15% more CPU per

@@ -36,7 +36,47 @@ from streams.topology import build_topology, stream_for_subject
 
 log = logging.getLogger(__name__)
 
-_FOLDS = None  # (fold_group, fold_batch) of consumers.index_codec, bound at the first KV message
+_FOLDS = None  # (fold_group, fold_batch, wire_run) of consumers.index_codec / index_columns, bound once
+
+
+def _folds() -> tuple[Any, Any, Any]:
+    """(fold_group, fold_batch, wire_run), imported once: the codec loads numba, which only a KV
+    feed needs."""
+    global _FOLDS
+    if _FOLDS is None:
+        from consumers.index_codec import fold_batch, fold_group
+        from consumers.index_columns import wire_run
+
+        _FOLDS = (fold_group, fold_batch, wire_run)
+    return _FOLDS
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel the router's KV index and its KV feed's
+    readers run, before the router serves: a bridge's group message read into columns and folded,
+    the same batches read one by one, on a throwaway index. On a fresh install the group reader
+    alone compiles for about 11 s on 2 cores; left to the first KV message, the event loop stalled
+    that long with requests waiting (tests/test_router_cold_start.py, bench/RESULTS.md session 28)."""
+    from schemas import kv_binary
+    from streams.clock import ManualClock
+    from streams.kv_index import KvIndex
+    from streams.kv_index import warm_up as index_warm_up
+
+    index_warm_up()
+    fold_group, fold_batch, wire_run = _folds()
+    # (a store as a bridge sends it: its blocks' token digests instead of the token ids)
+    stored = kv_binary.WStored(memoryview((7).to_bytes(8, "little")), memoryview(b""), 16, None, None, None, None,
+                               None, None, None, memoryview((9).to_bytes(8, "little")))
+    one = kv_binary.encode_wire(kv_binary.WBatch(1, "p", "m", 0, 0, 0, 0.0, [stored]))
+    two = kv_binary.encode_wire(kv_binary.WBatch(1, "p", "m", 0, 0, 1, 0.0, [
+        kv_binary.WRemoved(memoryview((7).to_bytes(8, "little")), "GPU")]))
+    data = kv_binary.group([one, two])
+    run = wire_run(data, fold_group)
+    idx = KvIndex(ManualClock(1.0))
+    if run is not None:
+        idx.apply_many((run,))
+    KvIndex(ManualClock(1.0)).apply_many(fold_group(data) or [])
+    fold_batch(one)
 
 
 class BusFeeds:
@@ -266,13 +306,7 @@ class BusFeeds:
         (a bad batch, a group with one in it, a batch for another pod than its subject's, a fold
         that refuses it): then the batches go one by one through the careful decode, and only a bad
         one is dead-lettered with its reason."""
-        global _FOLDS
-        if _FOLDS is None:  # (imported once: the codec loads numba, which only a KV feed needs)
-            from consumers.index_codec import fold_batch, fold_group
-            from consumers.index_columns import wire_run
-
-            _FOLDS = (fold_group, fold_batch, wire_run)
-        fold_group, fold_batch, wire_run = _FOLDS
+        fold_group, fold_batch, wire_run = _folds()
         data = msg.data
         run = wire_run(data, fold_group)  # a bridge's group in columns (the common case)
         if run is not None and self._kv_names.match(msg.subject, run.pod, run.model):

@@ -1,0 +1,125 @@
+"""A router that has started compiles nothing more on its first KV events or requests.
+
+The KV index, the KV feed's readers and the tokenizer run numba kernels. On a fresh install (a new
+container, no numba cache on disk) compiling one takes seconds; a kernel first compiled by a KV
+message or a request does it on the event loop while the router serves. The conversation-trace bench
+showed what that costs: a router started on a fresh install spent its first round compiling the KV
+feed's group reader (11 s on a 2-core machine), its event loop 66 ms late on average, TTFT p50 4.5 s
+against 0.09 s once warm (bench/RESULTS.md, session 28).
+
+Ground truth here: a router in its own process (numba's dispatchers new, as in a fresh pod; kernels
+may load from the on-disk cache, which counts as compiling: both add a signature), started on a real
+JetStream with a kv-aware strategy and a ``tokenizer.json``. After ``start()`` returns, the bridge's
+group messages are folded by its KV feed (through the columns reader, checked) and long prompts are
+routed over HTTP to an engine; every numba dispatcher of the project's modules must have the
+signatures it had when ``start()`` returned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from consumers import index_columns
+
+pytestmark = pytest.mark.skipif(not index_columns.AVAILABLE, reason="needs numba")
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+_CHILD = r"""
+import asyncio, json, sys, time
+sys.path.insert(0, sys.argv[4])
+import aiohttp
+from numba.core.dispatcher import Dispatcher
+from router import feeds
+from router.app import RouterApp
+from router.config import RouterConfig
+from router.testing import FakeEngine, wait_for
+from schemas import EngineAnnouncement, kv_binary
+from schemas import subjects as S
+from schemas.config import NatsConfig
+from consumers import bus
+from consumers.index_codec import fold_group
+from test_index_columns import _bridge_groups
+
+PROJECT = ("streams", "consumers", "router", "schemas", "simulator", "infernex")
+
+
+def signatures():
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if name.split(".")[0] not in PROJECT or mod is None:
+            continue
+        for attr, v in list(vars(mod).items()):
+            if isinstance(v, Dispatcher):
+                out[f"{name}.{attr}"] = len(v.signatures)
+    return out
+
+
+async def main():
+    url, prefix, tok = sys.argv[1:4]
+    groups = _bridge_groups(5, frames=64, per_group=16)  # (made before the router's start: the
+    # transcoder compiles its own kernels, which a router never runs)
+    sizes = [len(fold_group(g)) for g in groups]
+    eng = await FakeEngine("pod-a").start()
+    nats = NatsConfig(servers=[url], subject_prefix=prefix, connect_timeout_s=3)
+    app = RouterApp(RouterConfig(strategy="kv-aware", tokenizer=tok, seed=1), nats)
+    rurl = await app.start("127.0.0.1", 0)
+    before = signatures()
+    taken = []
+    fold_group_, fold_batch_, wire_run = feeds._folds()  # (the feed's readers)
+
+    def counting(data, decode):
+        run = wire_run(data, decode)
+        taken.append(run is not None)
+        return run
+
+    feeds._FOLDS = (fold_group_, fold_batch_, counting)
+    nc = await bus.connect(nats)
+    js = nc.jetstream()
+    await bus.publish(js, S.with_prefix(prefix, S.engine_announce("pod-a")),
+                      EngineAnnouncement(pod="pod-a", url=eng.url, model="m", ts=time.time()).to_json())
+    assert await wait_for(lambda: len(app.state.snapshot()) == 1, timeout=15)
+    seq = 0
+    for g, n in zip(groups, sizes):
+        await js.publish(S.with_prefix(prefix, S.kv_events("m", "pod-a")), g,
+                         headers=kv_binary.group_headers("pod-a", "m", 0, seq, seq + n - 1, n))
+        seq += n
+    assert await wait_for(lambda: len(taken) == len(groups), timeout=30), taken
+    assert await wait_for(lambda: sum(app.index.pods()["pod-a"].blocks.values()) > 0, timeout=10)
+    words = ("the cache of every engine holds blocks the router reads before it picks one "
+             "and a long document shared by many questions comes first").split()
+    async with aiohttp.ClientSession() as s:
+        for i in range(4):
+            prompt = " ".join(words[(i + j) % len(words)] for j in range(900)) + f" question {i}?"
+            async with s.post(rurl + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+    after = signatures()
+    await nc.close()
+    await app.stop(drain=True)
+    await eng.stop()
+    new = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+    print(json.dumps({"new": new, "columns": sum(taken), "groups": len(groups),
+                      "blocks": sum(app.index.pods()["pod-a"].blocks.values()), "served": len(eng.requests)}))
+
+
+asyncio.run(main())
+"""
+
+
+async def test_first_kv_events_and_requests_compile_nothing(nats_config, topology, prefix):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    out = subprocess.run([sys.executable, "-c", _CHILD, nats_config.servers[0], prefix,
+                          str(TESTS / "fixtures" / "tokenize"), str(TESTS)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # the work was done: every group read in columns, blocks held, the requests served
+    assert got["columns"] == got["groups"] > 0
+    assert got["blocks"] > 0 and got["served"] == 4
+    assert got["new"] == {}, f"compiled after the router said it had started: {got['new']}"
