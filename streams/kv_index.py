@@ -1497,6 +1497,11 @@ def warm_up() -> None:
     idx.match_keys("w", block_keys(toks, 2))
     idx.record_route("w", "x", token_ids=toks)
     idx.match_keys("w", block_keys(toks, 2))
+    # the predicted pod's own events then confirm its predictions (a router's feed, every time it
+    # has routed something: compiled here, or the first KV message after a route stalls on it)
+    idx.apply_many([KvEventBatch.model_construct(schema_version=1, pod="x", model="w", dp_rank=0, epoch=0, seq=0,
+                                                 ts=0.0, events=[_S(block_hashes=[11, 12], token_ids=toks[:4],
+                                                                    block_size=2)])])
     clock.advance(idx.predicted_ttl_s + 1)  # the predictions expire
     idx.match_keys("w", block_keys(toks, 2))
     # the tables' growth (a rehash into a table twice the size): compiled here, not on the first
