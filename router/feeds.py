@@ -37,6 +37,10 @@ from streams.topology import build_topology, stream_for_subject
 log = logging.getLogger(__name__)
 
 _FOLDS = None  # (fold_group, fold_batch, wire_run) of consumers.index_codec / index_columns, bound once
+#: KV folding the feed does back to back before it lets the event loop run the requests waiting: a
+#: subscription hands over every message it holds without a pause, and a burst of KV events (engines
+#: storing long prompts) held the router's loop 14-48 ms at a time (bench/RESULTS.md, session 28)
+KV_YIELD_AFTER_S = 0.002
 
 
 def _folds() -> tuple[Any, Any, Any]:
@@ -105,6 +109,7 @@ class BusFeeds:
             # restart): the embedded index holds a batch back until the earlier ones arrive
             index.reorder_window_s = kv_reorder_window_s
         self._release_task: asyncio.Task | None = None
+        self._kv_yielded = 0.0  # perf_counter when the KV feed last let the event loop run other work
         # the KV backlog at start: read up to this stream sequence (0: nothing to read)
         self.kv_catchup_timeout_s = kv_catchup_timeout_s
         self.kv_target_seq = 0
@@ -287,6 +292,10 @@ class BusFeeds:
             return cb
 
         async def kv_cb(msg) -> None:
+            t = time.perf_counter()
+            if t - self._kv_yielded >= KV_YIELD_AFTER_S:  # (folding since the loop last ran anything else)
+                await asyncio.sleep(0)
+                self._kv_yielded = time.perf_counter()
             if self.kv_caught_up:
                 await cb(msg)
                 return
