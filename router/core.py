@@ -17,6 +17,20 @@ from streams.kv_keys import request_salt
 _EMPTY_STATUS = {"model-filter": "no_model", "not-busy-filter": "busy"}
 
 
+_PREFIX_KEYS = None
+
+
+def _prefix_keys():
+    """streams.kv_index.prefix_keys, imported at its first use (the index module loads numba, which
+    a strategy run without one never needs)."""
+    global _PREFIX_KEYS
+    if _PREFIX_KEYS is None:
+        from streams.kv_index import prefix_keys
+
+        _PREFIX_KEYS = prefix_keys
+    return _PREFIX_KEYS
+
+
 def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool,
                         predicted: dict[str, int] | None = None) -> dict[str, int]:
     """Prefix blocks each pod could reuse for ``req``, from a KvIndex-like view (PodMatch objects
@@ -34,9 +48,7 @@ def overlaps_from_index(index_view: Any, req: RoutingRequest, approximate: bool,
         pk = req.prompt_keys
         if approximate and pk is not None and pk[0] == index_view.block_size(model) and hasattr(index_view, "match_keys"):
             # the router hashed the prompt already (its predictions take the same keys)
-            from streams.kv_index import prefix_keys
-
-            keys = prefix_keys(pk[1], n // pk[0])
+            keys = _prefix_keys()(pk[1], n // pk[0])
             counts = getattr(index_view, "match_counts", None)
             if counts is not None:  # the embedded KvIndex: the counts alone, no PodMatch per pod
                 out, pred = counts(model, keys)

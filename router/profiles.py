@@ -135,10 +135,11 @@ class Strategy:
     needs_overlap: bool
     approximate: bool
     description: str = ""
+    pd: bool = False  # a prefill/decode strategy (its handler is the PD one): set from the handler
 
-    @property
-    def pd(self) -> bool:
-        return self.handler.type_name == "pd-profile-handler"
+    def __post_init__(self) -> None:
+        # (a field, not a property: the request path reads it several times a request)
+        self.pd = self.handler.type_name == "pd-profile-handler"
 
 
 def build_strategy(name: str, spec: StrategySpec | dict) -> Strategy:
