@@ -60,7 +60,7 @@ def warm_up() -> None:
     readers run, before the router serves: a bridge's group message read into columns and folded,
     the same batches read one by one, on a throwaway index. On a fresh install the group reader
     alone compiles for about 11 s on 2 cores; left to the first KV message, the event loop stalled
-    that long with requests waiting (tests/test_router_cold_start.py, bench/RESULTS.md session 28)."""
+    that long with requests waiting (tests/test_cold_start.py, bench/RESULTS.md session 28)."""
     from schemas import kv_binary
     from streams.clock import ManualClock
     from streams.kv_index import KvIndex

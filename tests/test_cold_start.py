@@ -1,4 +1,4 @@
-"""A router that has started compiles nothing more on its first KV events or requests.
+"""A router (or an indexer) that has started compiles nothing more on its first KV events or requests.
 
 The KV index, the KV feed's readers and the tokenizer run numba kernels. On a fresh install (a new
 container, no numba cache on disk) compiling one takes seconds; a kernel first compiled by a KV
@@ -13,7 +13,9 @@ JetStream with a kv-aware strategy and a ``tokenizer.json``. After ``start()`` r
 long prompts are routed over HTTP to an engine (their routes are predictions in the index), the
 bridge's group messages are folded by its KV feed (through the columns reader, checked), and more
 prompts are routed; every numba dispatcher of the project's modules must have the
-signatures it had when ``start()`` returned."""
+signatures it had when ``start()`` returned. The indexer the same way: started, it reads the
+bridge's group messages, answers token-id queries over HTTP, records routes (predictions) that the
+next messages confirm, and writes a snapshot in process; nothing compiles after ``start()``."""
 
 from __future__ import annotations
 
@@ -118,14 +120,75 @@ asyncio.run(main())
 """
 
 
-async def test_first_kv_events_and_requests_compile_nothing(nats_config, topology, prefix):
+def _child(code: str, nats_config, prefix: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    out = subprocess.run([sys.executable, "-c", _CHILD, nats_config.servers[0], prefix,
+    out = subprocess.run([sys.executable, "-c", code, nats_config.servers[0], prefix,
                           str(TESTS / "fixtures" / "tokenize"), str(TESTS)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def test_first_kv_events_and_requests_compile_nothing(nats_config, topology, prefix):
+    got = _child(_CHILD, nats_config, prefix)
     # the work was done: every group read in columns, blocks held, the requests served
     assert got["columns"] == got["groups"] > 0
     assert got["blocks"] > 0 and got["served"] == 8
     assert got["new"] == {}, f"compiled after the router said it had started: {got['new']}"
+
+
+_INDEXER_CHILD = _CHILD.split("async def ask(")[0] + r"""
+import httpx
+from consumers.indexer import IndexerConfig, IndexerService
+
+
+async def main():
+    url, prefix = sys.argv[1:3]
+    groups = _bridge_groups(7, frames=96, per_group=16)
+    sizes = [len(fold_group(g)) for g in groups]
+    nats = NatsConfig(servers=[url], subject_prefix=prefix, connect_timeout_s=3)
+    svc = IndexerService(IndexerConfig(http_port=0, durable="ix-cold", snapshot_fork=False,
+                                       snapshot_every_events=10**9), nats)
+    await svc.start()
+    before = signatures()
+    nc = await bus.connect(nats)
+    js = nc.jetstream()
+    subject = S.with_prefix(prefix, S.kv_events("m", "pod-a"))
+    seq = 0
+
+    async def publish(which):
+        nonlocal seq
+        for g, n in which:
+            await js.publish(subject, g, headers=kv_binary.group_headers("pod-a", "m", 0, seq, seq + n - 1, n))
+            seq += n
+        last = (await js.stream_info(svc.stream)).state.last_seq
+        assert await wait_for(lambda: svc.applied_seq >= last, timeout=30)
+
+    pairs = list(zip(groups, sizes))
+    await publish(pairs[:3])
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.http_port}", timeout=10) as http:
+        toks = list(range(1, 16 * 8 + 1))
+        r = await http.post("/v1/index/query", json={"model": "m", "token_ids": toks})
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/index/route", json={"model": "m", "pod": "pod-a", "token_ids": toks})
+        assert r.status_code == 200, r.text
+        await publish(pairs[3:])  # (the pod's events while it has predictions: confirmed)
+        r = await http.post("/v1/index/query", json={"model": "m", "token_ids": toks})
+        assert r.status_code == 200, r.text
+    await svc.snapshot()
+    after = signatures()
+    blocks = len(svc.index)
+    await nc.close()
+    await svc.stop()
+    new = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+    print(json.dumps({"new": new, "blocks": blocks, "snapshots": svc.snapshot_seq}))
+
+
+asyncio.run(main())
+"""
+
+
+async def test_an_indexer_compiles_nothing_after_start(nats_config, topology, prefix):
+    got = _child(_INDEXER_CHILD, nats_config, prefix)
+    assert got["blocks"] > 0 and got["snapshots"] > 0
+    assert got["new"] == {}, f"compiled after the indexer said it had started: {got['new']}"
