@@ -48,3 +48,16 @@ def with_digests(events: list) -> list:
                                       _block_digests(toks, bs, n).astype("<u8", copy=False).tobytes())
         out.append(e)
     return out
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's cache) the digest kernel as :func:`with_digests` calls it, now:
+    a bridge reaches this path only on the frames its transcoder leaves (other shapes of vLLM's
+    events), and the first one would compile it for seconds on a fresh install. False without it."""
+    if not available():
+        return False
+    one = kv_binary.WStored(memoryview((7).to_bytes(8, "little")), memoryview(bytes(8)), 2, None, None, None, None,
+                            None, None, None, None)
+    with_digests([one])
+    return True
+

@@ -15,7 +15,10 @@ bridge's group messages are folded by its KV feed (through the columns reader, c
 prompts are routed; every numba dispatcher of the project's modules must have the
 signatures it had when ``start()`` returned. The indexer the same way: started, it reads the
 bridge's group messages, answers token-id queries over HTTP, records routes (predictions) that the
-next messages confirm, and writes a snapshot in process; nothing compiles after ``start()``."""
+next messages confirm, and writes a snapshot in process; nothing compiles after ``start()``. A KV
+bridge, once ready, takes every frame shape vLLM 0.11, 0.22 and 0.33 encoded (tests/fixtures/vllm),
+grouped and one at a time: the frames its transcoder leaves go through the Python decoder and the
+digest kernel, which compiled on the first such frame before it was warmed at start."""
 
 from __future__ import annotations
 
@@ -192,3 +195,54 @@ async def test_an_indexer_compiles_nothing_after_start(nats_config, topology, pr
     got = _child(_INDEXER_CHILD, nats_config, prefix)
     assert got["blocks"] > 0 and got["snapshots"] > 0
     assert got["new"] == {}, f"compiled after the indexer said it had started: {got['new']}"
+
+
+_BRIDGE_CHILD = _CHILD.split("async def ask(")[0] + r"""
+import zmq
+from consumers.kv_bridge import BridgeConfig, KvBridge
+from fixtures import vllm as fx
+
+
+async def main():
+    url, prefix = sys.argv[1:3]
+    frames = [f.payload for f in fx.all_frames()]  # every shape vLLM 0.11, 0.22 and 0.33 encoded
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    nats = NatsConfig(servers=[url], subject_prefix=prefix, connect_timeout_s=3)
+    nc = await bus.connect(nats)
+    bridge = KvBridge(BridgeConfig(endpoint=f"tcp://127.0.0.1:{port}", pod="pod-a", model="m", backfill=False), nc,
+                      subject_prefix=prefix)
+    stop = asyncio.Event()
+    task = asyncio.create_task(bridge.run(stop))
+    await asyncio.wait_for(bridge.ready.wait(), 60)
+    await asyncio.sleep(0.3)  # (the SUB socket's subscription reaches the PUB)
+    before = signatures()
+    for rnd in range(3):  # groups of frames, and frames one at a time
+        for i, f in enumerate(frames):
+            seq = rnd * len(frames) + i
+            pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), f])
+            if rnd:
+                await asyncio.sleep(0.003)
+    s = bridge.stats
+    assert await wait_for(lambda: s.frames + s.dead_letters >= 3 * len(frames), timeout=30), vars(s)
+    await bridge.flush()
+    assert await wait_for(lambda: bridge.publisher.queue.qsize() == 0, timeout=30)
+    after = signatures()
+    stop.set()
+    await task
+    await nc.close()
+    pub.close(0)
+    new = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+    print(json.dumps({"new": new, "frames": s.frames, "dead": s.dead_letters, "published": s.published,
+                      "sent": 3 * len(frames)}))
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_kv_bridge_compiles_nothing_after_it_is_ready(nats_config, topology, prefix):
+    got = _child(_BRIDGE_CHILD, nats_config, prefix)
+    assert got["frames"] > 0 and got["published"] > 0
+    assert got["new"] == {}, f"compiled after the bridge said it was ready: {got['new']}"
