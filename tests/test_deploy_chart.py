@@ -319,6 +319,11 @@ def test_every_container_has_probes_that_check_something(values):
                 if served is not None:
                     assert int(served) == ports[get["port"]], f"{where}: probes {ports[get['port']]}, serves {served}"
             assert c["livenessProbe"]["httpGet"]["path"] == "/healthz", where
+            # a start that compiles numba kernels (no compiled cache on the node) is not cut short by
+            # liveness: a startup probe on the same endpoint allows minutes
+            start = c["startupProbe"]
+            assert start["httpGet"] == c["livenessProbe"]["httpGet"], where
+            assert start["periodSeconds"] * start["failureThreshold"] >= 120, where
             if c["name"] not in ("kv-bridge", "metrics-collector") and not c["name"].startswith("kv-bridge-dp"):
                 # a sidecar's readiness would gate its engine on NATS; the others must be ready-checked
                 assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", where

@@ -78,6 +78,14 @@ spec:
               path: /readyz
               port: http
             periodSeconds: 10
+          # (liveness waits for the start: a component compiles or loads its numba kernels before it
+          # serves, which a node without the image's compiled cache pays, up to a minute when busy)
+          startupProbe:
+            httpGet:
+              path: /healthz
+              port: http
+            periodSeconds: 5
+            failureThreshold: 60
           livenessProbe:
             httpGet:
               path: /healthz
