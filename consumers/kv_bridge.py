@@ -630,10 +630,10 @@ class KvBridge:
     async def run(self, stop: asyncio.Event) -> BridgeStats:
         if self._decoder.compiled:
             kv_wire_compiled.warm_up()  # compile (or load) the kernels before the first frame, not on it
-        if self._transcoder is not None:
-            kv_transcode.warm_up()
         if self._digests:
             kv_digests.warm_up()  # (the frames the transcoder leaves: their stores' digests in Python)
+        if self._transcoder is not None:
+            kv_transcode.warm_up()
         elif self._binary:
             log.info("kv-bridge %s: numba is not installed; KV frames are decoded in Python "
                      "(about 4x the CPU; install infernex[router] for the compiled decoder)", self._pod)

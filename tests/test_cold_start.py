@@ -1,4 +1,4 @@
-"""A router (or an indexer) that has started compiles nothing more on its first KV events or requests.
+"""A router, an indexer or a KV bridge that has started compiles nothing more on its first events or requests.
 
 The KV index, the KV feed's readers and the tokenizer run numba kernels. On a fresh install (a new
 container, no numba cache on disk) compiling one takes seconds; a kernel first compiled by a KV
@@ -9,8 +9,8 @@ against 0.09 s once warm (bench/RESULTS.md, session 28).
 
 Ground truth here: a router in its own process (numba's dispatchers new, as in a fresh pod; kernels
 may load from the on-disk cache, which counts as compiling: both add a signature), started on a real
-JetStream with a kv-aware strategy and a ``tokenizer.json``. After ``start()`` returns, the bridge's
-long prompts are routed over HTTP to an engine (their routes are predictions in the index), the
+JetStream with a kv-aware strategy and a ``tokenizer.json``. After ``start()`` returns, long
+prompts are routed over HTTP to an engine (their routes are predictions in the index), the
 bridge's group messages are folded by its KV feed (through the columns reader, checked), and more
 prompts are routed; every numba dispatcher of the project's modules must have the
 signatures it had when ``start()`` returned. The indexer the same way: started, it reads the
