@@ -216,29 +216,33 @@ async def engine_counters(client, engines) -> dict[str, tuple[float, ...]]:  # n
     return dict(await asyncio.gather(*(one(e) for e in engines)))
 
 
-async def _router_stats(client, urls: list[str]) -> tuple[float, float, float]:  # noqa: ANN001
+async def _router_stats(client, urls: list[str]) -> tuple[float, float, float, float]:  # noqa: ANN001
     """Our routers' own figures since they started: mean TTFT (``infernex_router_ttft_seconds``, from
     a request's arrival at the router to the first token it passed on), mean event-loop lag and the
-    share of the loop's wake-ups more than 10 ms late (``infernex_router_event_loop_lag_seconds``);
-    NaN where a router does not say."""
+    share of the loop's wake-ups more than 10 ms late (``infernex_router_event_loop_lag_seconds``),
+    and the mean of the router's own time before a request reaches an engine
+    (``infernex_router_dispatch_seconds``); NaN where a router does not say."""
     nan = float("nan")
     got = {"infernex_router_ttft_seconds_sum": 0.0, "infernex_router_ttft_seconds_count": 0.0,
-           "infernex_router_event_loop_lag_seconds_sum": 0.0, "infernex_router_event_loop_lag_seconds_count": 0.0}
+           "infernex_router_event_loop_lag_seconds_sum": 0.0, "infernex_router_event_loop_lag_seconds_count": 0.0,
+           "infernex_router_dispatch_seconds_sum": 0.0, "infernex_router_dispatch_seconds_count": 0.0}
     late = 0.0
     for url in urls:
         try:
             samples = await _scrape(client, url)
         except Exception:  # noqa: BLE001 - a diagnostic only
-            return nan, nan, nan
+            return nan, nan, nan, nan
         for x in samples:
             if x.name in got:
                 got[x.name] += x.value
             elif x.name == "infernex_router_event_loop_lag_seconds_bucket" and x.labels.get("le") == "0.01":
                 late -= x.value
     n_ttft, n_lag = got["infernex_router_ttft_seconds_count"], got["infernex_router_event_loop_lag_seconds_count"]
+    n_disp = got["infernex_router_dispatch_seconds_count"]
     return (got["infernex_router_ttft_seconds_sum"] / n_ttft if n_ttft else nan,
             got["infernex_router_event_loop_lag_seconds_sum"] / n_lag if n_lag else nan,
-            (n_lag + late) / n_lag if n_lag else nan)
+            (n_lag + late) / n_lag if n_lag else nan,
+            got["infernex_router_dispatch_seconds_sum"] / n_disp if n_disp else nan)
 
 
 async def engine_block_size(client, engine) -> int:  # noqa: ANN001
@@ -472,8 +476,8 @@ async def main_async(args) -> None:
                                        timeout_s=300, stop=stop)
                     wall = time.monotonic() - t
                     s1 = await engine_counters(ctl, engines)
-                    router_ttft, loop_lag, loop_late = (await _router_stats(ctl, urls) if ours
-                                                        else (float("nan"),) * 3)
+                    router_ttft, loop_lag, loop_late, dispatch = (await _router_stats(ctl, urls) if ours
+                                                                  else (float("nan"),) * 4)
                     cpu = sum(_cpu_seconds(pr.pid) for pr in procs) - cpu0
                     ecpu = _engines_cpu(engine_procs) - ecpu0
                 finally:
@@ -506,7 +510,7 @@ async def main_async(args) -> None:
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
                        "ttft50": pct(ttft, 50), "ttft90": pct(ttft, 90), "e2e50": pct(e2e, 50),
                        "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"), "engine_ttft_mean": engine_ttft,
-                       "router_ttft_mean": router_ttft,
+                       "router_ttft_mean": router_ttft, "router_dispatch_mean": dispatch,
                        "decode50": pct(decode, 50), "wall": wall, "ready_s": ready_s}
                 results[name].append(row)
                 if ours:  # for the router's view of the engines' caches against their reports (at the end)
@@ -528,6 +532,8 @@ async def main_async(args) -> None:
                       f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted, engines' outputs {late * 1e3:.2f} ms late, {lost:.1%} of model time lost ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
                 at_router = "" if router_ttft != router_ttft else f", {router_ttft:.3f}s as the router measured it"
+                if dispatch == dispatch:
+                    at_router += f" (of it {dispatch * 1e3:.2f} ms its own work before the engine had the request)"
                 lag = "" if loop_lag != loop_lag else (f"; the router's event loop {loop_lag * 1e3:.1f} ms late on average, "
                                                        f"{loop_late:.0%} of its wake-ups over 10 ms late")
                 print(f"    TTFT mean {row['ttft_mean']:.3f}s at the client{at_router}, {row['engine_ttft_mean']:.3f}s as the "

@@ -93,6 +93,11 @@ ROUTER = Dashboard(
         Panel("Decision latency", [
             (q(0.5, "infernex_router_decision_seconds"), "p50"),
             (q(0.99, "infernex_router_decision_seconds"), "p99")], unit="s"),
+        Panel("Router's own time before the engine", [
+            (q(0.5, "infernex_router_dispatch_seconds"), "p50"),
+            (q(0.99, "infernex_router_dispatch_seconds"), "p99")], unit="s",
+            description="From a request's body read to its first send to an engine: parsing, tokenizing, the "
+                        "decision and its record. The admission queue's wait is apart (queue panel)."),
         Panel("Event loop lag", [
             (q(0.5, "infernex_router_event_loop_lag_seconds"), "p50"),
             (q(0.99, "infernex_router_event_loop_lag_seconds"), "p99")], unit="s",

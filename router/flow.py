@@ -71,6 +71,8 @@ class Flow:
     done: bool = False
     key: str = "-"  # the client (API key or address) for quotas and fairness
     queue_s: float = 0.0  # time spent waiting for a backend slot
+    entered: float = 0.0  # perf_counter when the router's handler took the request (its body read)
+    dispatch_s: float | None = None  # entered -> first send to an engine, queue_s left out
     prefill_s: float | None = None  # PD: the prefill stage's time (its TTFT)
     prefill_end_t: float | None = None
     recomputed: bool = False  # the decode answered stop_reason "recomputed" (vllm-ascend)

@@ -117,6 +117,12 @@ class RouterMetrics:
         self.decision = fast.histogram("infernex_router_decision_seconds", "Time spent in Router.decide",
                                        ["strategy"],
                                        buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1))
+        self.dispatch = fast.histogram(
+            "infernex_router_dispatch_seconds",
+            "The router's own time before a request reaches an engine: from its body read to its first send "
+            "(parsing, tokenizing, the routing decision, the decision record; the admission queue's wait, "
+            "infernex_router_queue_seconds, and the connection to the engine left out)", ["strategy"],
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
         self.retries = Counter("infernex_router_retries_total", "Requests re-sent after a failure",
                                ["reason"], registry=registry)
         self.migrations = Counter("infernex_router_migrations_total", "Streams moved to another backend",
@@ -163,6 +169,7 @@ class RouterService:
         name = self.router.name
         self._m_decision = self.metrics.decision.labels(name)
         self._m_duration = self.metrics.duration.labels(name)
+        self._m_dispatch = self.metrics.dispatch.labels(name)
         self._m_role: dict[str, tuple[Any, Any, Any]] = {}  # role -> (ttft, itl, queue) children
         self._m_regret = self.metrics.regret.labels(name)
         self._m_overlap_best = self.metrics.overlap.labels(name, "best")
@@ -809,6 +816,7 @@ class RouterService:
                 queued += time.perf_counter() - t
 
     async def _inference(self, request: Request, kind: str, path: str) -> Response | StreamResponse:
+        entered = time.perf_counter()
         self._refuse_if_draining()
         body = await self._read_json(request)
         self._check_body(kind, body)
@@ -817,7 +825,7 @@ class RouterService:
         arrival, t0 = time.time(), time.perf_counter()
         rreq = await self._routing_request_async(kind, body, rid, len(request.body))
         flow = _Flow(rid=rid, kind=kind, path=path, body=body, stream=stream, arrival=arrival, t0=t0, rreq=rreq,
-                     raw=request.body)
+                     raw=request.body, entered=entered)
         if stream:
             so = body.get("stream_options")
             flow.wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
@@ -1077,7 +1085,10 @@ class RouterService:
             extra = self.pd.prefill_headers(peer)
             if extra:
                 headers = {**headers, **extra}
-            r = await self.upstream.post(pb.url, flow.path, _json_encode(pre), headers)
+            data = _json_encode(pre)
+            if flow.dispatch_s is None:
+                flow.dispatch_s = time.perf_counter() - flow.entered - flow.queue_s
+            r = await self.upstream.post(pb.url, flow.path, data, headers)
             try:
                 data = await r.read()
             finally:
@@ -1117,7 +1128,10 @@ class RouterService:
         try:
             try:
                 data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
-                up = await self.upstream.post(b.url, flow.path, data, self._headers(flow, b))
+                headers = self._headers(flow, b)
+                if flow.dispatch_s is None:
+                    flow.dispatch_s = time.perf_counter() - flow.entered - flow.queue_s
+                up = await self.upstream.post(b.url, flow.path, data, headers)
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
                 return resp, "connect" if is_breaker_failure(e) else "slow"
@@ -1307,6 +1321,8 @@ class RouterService:
             c = self._m_requests[flow.status] = self.metrics.requests.labels(name, flow.status)
         c.inc()
         self._m_duration.observe(e2e)
+        if flow.dispatch_s is not None:
+            self._m_dispatch.observe(flow.dispatch_s)
         if flow.pods and flow.status == "ok":
             pod = flow.pods[-1]
             if flow.cached_reported:
