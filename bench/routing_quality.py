@@ -72,6 +72,9 @@ def main() -> None:
 
     profiles = args.profile or ["round-robin", "least-load", "dynamo-cost", "kv-aware"]
     rows = load_trace(args.trace, limit=args.skip + args.limit)[args.skip:]
+    if not rows:
+        n = len(load_trace(args.trace))
+        sys.exit(f"{args.trace.name} has {n} requests, so --skip {args.skip} leaves none: pass a --skip below {n}")
     fleet = Fleet(aggregated=args.engines, kv_model=args.kv_model, num_gpu_blocks=args.num_gpu_blocks)
     from simulator.workloads.trace import trace_stats
 
