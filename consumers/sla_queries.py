@@ -208,6 +208,10 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS kv_transfer_s Nullable(Float64)",
         "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS tpot_s Nullable(Float64)",
     )),
+    Migration(4, "the router's share of a request's wait: admission queue and its own time", (
+        "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS queue_s Nullable(Float64)",
+        "ALTER TABLE {db}.request_records ADD COLUMN IF NOT EXISTS router_s Nullable(Float64)",
+    )),
 )
 
 #: table -> (TTL expression column, which TTL setting); used to re-apply a changed TTL
@@ -244,6 +248,8 @@ def migrate(store: SlaStore, *, ttl_days: int = 30, raw_metrics_ttl_days: int = 
             {"v": m.version, "n": m.name},
         )
         applied.append(m.version)
+    if applied and hasattr(store, "forget_structures"):
+        store.forget_structures()  # (an embedded store caches the columns it inserts)
     _apply_ttls(store, subst)
     return applied
 
@@ -362,21 +368,26 @@ def _num(v: Any) -> float | None:
 STAGE_SQL = """
 SELECT pool, stage, count() AS requests,
        {qf}({qs})(ttft) AS ttft_q, {qf}({qs})(tpot) AS tpot_q, {qf}({qs})(kv) AS kv_q,
-       avg(ttft) AS ttft_mean, avg(tpot) AS tpot_mean, avg(kv) AS kv_mean,
+       {qf}({qs})(router) AS router_q, {qf}({qs})(queue) AS queue_q,
+       avg(ttft) AS ttft_mean, avg(tpot) AS tpot_mean, avg(kv) AS kv_mean, avg(router) AS router_mean,
+       avg(queue) AS queue_mean,
        countIf(ok AND ifNull(ttft, 0) <= {{ttft_target:Float64}}) / count() AS ttft_attainment,
        countIf(ok AND ifNull(tpot, 0) <= {{itl_target:Float64}}) / count() AS tpot_attainment
 FROM (
     -- the prefill stage of PD requests: the prefill pod's time to its token
     SELECT pool, 'prefill' AS stage, prefill_ttft_s AS ttft, CAST(NULL AS Nullable(Float64)) AS tpot,
-           CAST(NULL AS Nullable(Float64)) AS kv, status = 'ok' AS ok
+           CAST(NULL AS Nullable(Float64)) AS kv, CAST(NULL AS Nullable(Float64)) AS router,
+           CAST(NULL AS Nullable(Float64)) AS queue, status = 'ok' AS ok
     FROM {db}.request_records FINAL WHERE {where} AND served_stage = 'pd' AND prefill_ttft_s IS NOT NULL
     UNION ALL
-    -- the decode stage (with or without a remote prefill): first token as the client saw it, TPOT, KV pull
-    SELECT pool, 'decode' AS stage, ttft_s AS ttft, tpot_s AS tpot, kv_transfer_s AS kv, status = 'ok' AS ok
+    -- the decode stage (with or without a remote prefill): first token as the client saw it, TPOT, KV pull;
+    -- the router's own time and its queue's wait, part of that first token's, count here (not on prefill)
+    SELECT pool, 'decode' AS stage, ttft_s AS ttft, tpot_s AS tpot, kv_transfer_s AS kv, router_s AS router,
+           queue_s AS queue, status = 'ok' AS ok
     FROM {db}.request_records FINAL WHERE {where} AND served_stage IN ('pd', 'decode')
     UNION ALL
     SELECT pool, 'aggregated' AS stage, ttft_s AS ttft, tpot_s AS tpot, CAST(NULL AS Nullable(Float64)) AS kv,
-           status = 'ok' AS ok
+           router_s AS router, queue_s AS queue, status = 'ok' AS ok
     FROM {db}.request_records FINAL WHERE {where} AND served_stage = 'aggregated'
 )
 GROUP BY pool, stage ORDER BY pool, stage"""
@@ -386,7 +397,9 @@ def sla_stages(store: SlaStore, since: float, until: float, *, targets: SlaTarge
                pool: str | None = None, exact: bool = True) -> list[dict[str, Any]]:
     """Per (pool, stage): ``prefill`` (PD prefill pods: their TTFT), ``decode`` (PD decode pods:
     client TTFT, TPOT, KV-transfer time) and ``aggregated`` (TTFT, TPOT); p50/p90/p99, means, and
-    the share within the TTFT and the ITL target (TPOT against the ITL target)."""
+    the share within the TTFT and the ITL target (TPOT against the ITL target). ``router`` and
+    ``queue`` (decode and aggregated rows): the router's own time before the engine had the request
+    and its admission queue's wait, both part of the TTFT beside them."""
     where, params = _window(since, until)
     where += _pool_filter(pool, params)
     params.update(_targets(targets))
@@ -395,11 +408,12 @@ def sla_stages(store: SlaStore, since: float, until: float, *, targets: SlaTarge
     out = []
     for row in store.rows(sql, params):
         r = dict(row)
-        for name in ("ttft", "tpot", "kv"):
+        for name in ("ttft", "tpot", "kv", "router", "queue"):
             qs = r.pop(f"{name}_q") or []
             for q, v in zip(QUANTILES, qs):
                 r[f"{name}_p{int(round(q * 100))}"] = _num(v)
-        for k in ("ttft_mean", "tpot_mean", "kv_mean", "ttft_attainment", "tpot_attainment"):
+        for k in ("ttft_mean", "tpot_mean", "kv_mean", "router_mean", "queue_mean", "ttft_attainment",
+                  "tpot_attainment"):
             r[k] = _num(r.get(k))
         r["requests"] = int(r["requests"])
         out.append(r)

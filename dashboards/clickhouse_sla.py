@@ -54,6 +54,12 @@ PANELS = [
         f"quantile(0.9)(kv_transfer_s) AS p90 FROM {DB}.request_records FINAL "
         f"WHERE {WHERE} AND served_stage = 'pd' GROUP BY time ORDER BY time"),
      "From the prefill's answer to the decode's first token: the KV pull plus one decode step."),
+    ("The router's share of TTFT: its own time and its queue's wait (p90)", "s", target(
+        f"SELECT $__timeInterval(ts) AS time, quantile(0.9)(ttft_s) AS ttft_p90, quantile(0.9)(router_s) AS "
+        f"router_p90, quantile(0.9)(queue_s) AS queue_p90 FROM {DB}.request_records FINAL "
+        f"WHERE {WHERE} GROUP BY time ORDER BY time"),
+     "Client TTFT beside what the router added before an engine had the request: its own work (parsing, "
+     "tokenizing, the decision) and the admission queue's wait for a backend slot."),
     ("SLA attainment by serving stage (TTFT and TPOT within target)", "percentunit", target(per_stage(
         "countIf(status = 'ok' AND ifNull(ttft_s, 0) <= ${{ttft_target}} AND ifNull({v}, 0) <= ${{itl_target}} AND {c})"
         " / greatest(countIf({c}), 1)", "tpot_s")),
@@ -70,6 +76,7 @@ SUMMARY = target(
     f"SELECT pool, served_stage AS stage, count() AS requests, quantile(0.5)(ttft_s) AS ttft_p50, "
     f"quantile(0.9)(ttft_s) AS ttft_p90, quantile(0.9)(prefill_ttft_s) AS prefill_ttft_p90, "
     f"quantile(0.9)(tpot_s) AS tpot_p90, quantile(0.9)(kv_transfer_s) AS kv_transfer_p90, "
+    f"quantile(0.9)(router_s) AS router_p90, quantile(0.9)(queue_s) AS queue_p90, "
     f"countIf(status = 'ok' AND ifNull(ttft_s, 0) <= ${{ttft_target}} AND ifNull(tpot_s, 0) <= ${{itl_target}}) "
     f"/ count() AS attainment FROM {DB}.request_records FINAL WHERE {WHERE} GROUP BY pool, stage "
     f"ORDER BY pool, stage", fmt=TABLE)

@@ -1370,7 +1370,8 @@ class RouterService:
             http_status=flow.http_status, error=flow.error,
             best_overlap_blocks=d.best_overlap_blocks if d else 0,
             chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
-            retries=flow.retries, migrations=flow.migrations, stream=flow.stream), msg_id=f"req:{flow.rid}")
+            retries=flow.retries, migrations=flow.migrations, stream=flow.stream, queue_s=flow.queue_s,
+            router_s=flow.dispatch_s), msg_id=f"req:{flow.rid}")
 
 
 def _version() -> str:

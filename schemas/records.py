@@ -184,6 +184,12 @@ class RequestRecord(Event):
                                         "decode's first token (KV pull plus one decode step; an upper bound)")
     tpot_s: float | None = Field(default=None, ge=0, description="time per output token after the first: "
                                  "(e2e - TTFT) / (output tokens - 1)")
+    queue_s: float | None = Field(default=None, ge=0, description="time the request waited in the router's "
+                                  "admission queue for a backend slot")
+    router_s: float | None = Field(default=None, ge=0, description="the router's own time before the request "
+                                   "reached an engine: from its body read to its first send (parsing, tokenizing, "
+                                   "the routing decision), the admission queue's wait left out; None when no "
+                                   "engine was sent it")
 
 
 class _PackedKeys(BaseModel):

@@ -77,6 +77,11 @@ def test_router_records_carry_the_serving_stage():
     assert pd.tpot_s is not None and pd.tpot_s > 0 and pd.output_tokens == 6
     assert agg.served_stage == "aggregated" and agg.prefill_ttft_s is None and agg.kv_transfer_s is None
     assert agg.tpot_s is not None and agg.tpot_s > 0
+    # the router's share of the wait: no admission queue here, and its own time a part of the TTFT
+    for r in (pd, agg):
+        assert r.queue_s == 0.0
+        assert r.router_s is not None and 0 < r.router_s < r.ttft_s
+    assert pd.router_s < pd.prefill_ttft_s  # taken at the prefill's send, not after it
 
 
 def _rec(i, now, **kw):
@@ -99,12 +104,35 @@ def test_migration_3_gives_old_rows_their_stage(tmp_path):
             _rec(0, now, role="pd", prefill_pod="p0", decode_pod="d0", ttft_s=0.5, itl_s=0.02),
             _rec(1, now, role="pd", decode_pod="d0", ttft_s=0.1, itl_s=0.02),
             _rec(2, now, role="aggregated", ttft_s=0.3, itl_s=0.05)])
-        assert Q.migrate(store) == [3]
+        assert Q.migrate(store) == [3, 4]
         rows = store.rows("SELECT request_id, served_stage, tpot_s FROM infernex.request_records FINAL "
                           "ORDER BY request_id")
         assert [(r["request_id"], r["served_stage"], r["tpot_s"]) for r in rows] == [
             ("r0", "pd", None), ("r1", "decode", None), ("r2", "aggregated", None)]
         assert Q.migrate(store) == []  # idempotent
+    finally:
+        store.close()
+
+
+def test_migration_4_adds_the_routers_share_and_old_rows_read_none(tmp_path):
+    store = ChdbStore(tmp_path / "chdb", "infernex")
+    try:
+        old = Q.MIGRATIONS
+        Q.MIGRATIONS = tuple(m for m in old if m.version <= 3)
+        try:
+            Q.migrate(store)
+        finally:
+            Q.MIGRATIONS = old
+        now = time.time()
+        store.insert_json_each_row("request_records", [_rec(0, now, ttft_s=0.3)])
+        assert Q.migrate(store) == [4]
+        rec = RequestRecord(request_id="r1", ts=now - 500, pool="pool-a", model="m", ttft_s=0.3, queue_s=0.05,
+                            router_s=0.0007)
+        store.insert_json_each_row("request_records", [rec.model_dump_json().encode()])
+        rows = store.rows("SELECT request_id, queue_s, router_s FROM infernex.request_records FINAL ORDER BY request_id")
+        assert [(r["request_id"], r["queue_s"], r["router_s"]) for r in rows] == [
+            ("r0", None, None), ("r1", pytest.approx(0.05), pytest.approx(0.0007))]
+        assert Q.migrate(store) == []
     finally:
         store.close()
 
@@ -121,12 +149,13 @@ def chdb_env(tmp_path, monkeypatch):
     rows = []
     for i in range(40):  # PD: prefill 0.4 s, client TTFT 0.6 s, KV 0.05 s, TPOT 0.03 s (every 4th: 0.09 s)
         rows.append(_rec(i, now, role="pd", served_stage="pd", prefill_pod="p0", decode_pod="d0", ttft_s=0.6,
-                         prefill_ttft_s=0.4, kv_transfer_s=0.05, tpot_s=0.09 if i % 4 == 0 else 0.03))
+                         prefill_ttft_s=0.4, kv_transfer_s=0.05, tpot_s=0.09 if i % 4 == 0 else 0.03,
+                         router_s=0.0008, queue_s=0.1))
     for i in range(40, 50):  # PD, prefill skipped: the decode pod did it all
         rows.append(_rec(i, now, role="pd", served_stage="decode", decode_pod="d0", ttft_s=0.2, tpot_s=0.03))
     for i in range(50, 80):  # aggregated: long prompts stretch TPOT (chunked prefill interference)
         rows.append(_rec(i, now, role="aggregated", served_stage="aggregated", ttft_s=1.5 if i % 2 else 0.5,
-                         tpot_s=0.08))
+                         tpot_s=0.08, router_s=0.002 if i % 3 == 0 else 0.0005, queue_s=0.0))
     store.insert_json_each_row("request_records", rows)
     store.close()
     return path
@@ -145,5 +174,11 @@ def test_sla_report_stages(chdb_env):
     assert d["tpot_p50"] == pytest.approx(0.03) and d["tpot_attainment"] == pytest.approx(40 / 50)
     a = by["aggregated"]
     assert a["requests"] == 30 and a["tpot_attainment"] == 0.0 and a["ttft_attainment"] == pytest.approx(0.5)
-    res = runner.invoke(app, ["sla", "report", "--since", "1h", "--stages"], env={"COLUMNS": "220"})
+    # the router's share: on the stages the client waited on (prefill none), rows without it left out
+    assert by["prefill"]["router_p50"] is None and by["prefill"]["queue_mean"] is None
+    assert d["router_p50"] == pytest.approx(0.0008) and d["queue_mean"] == pytest.approx(0.1)  # 40 of 50 say
+    assert a["router_p50"] == pytest.approx(0.0005) and a["router_p99"] == pytest.approx(0.002)
+    assert a["queue_p90"] == 0.0
+    res = runner.invoke(app, ["sla", "report", "--since", "1h", "--stages"], env={"COLUMNS": "260"})
     assert res.exit_code == 0 and "KV transfer" in res.output and "prefill" in res.output
+    assert "router" in res.output and "0.5/2.0/2.0" in res.output

@@ -67,6 +67,18 @@ def test_migrations_are_versioned_and_idempotent(store):
     assert set(Q.TABLES) | {"schema_migrations"} <= tables
 
 
+def test_rows_still_insert_after_the_table_gains_a_column(store):
+    """A column added while this store is open (another process's migration, a rolling upgrade) must
+    not break its inserts: the new column takes its default."""
+    t0 = time.time() - 600
+    insert(store, records(3, t0, seed=7))  # (an embedded store reads the table's columns here)
+    store.command(f"ALTER TABLE {store.database}.request_records ADD COLUMN IF NOT EXISTS added_later "
+                  "Nullable(Float64)")
+    insert(store, records(3, t0, seed=8))
+    rows = store.rows(f"SELECT count() AS n, countIf(added_later IS NULL) AS d FROM {store.database}.request_records")
+    assert int(rows[0]["n"]) == 6 and int(rows[0]["d"]) == 6
+
+
 def test_ttl_change_is_applied(store):
     Q.migrate(store, ttl_days=9, raw_metrics_ttl_days=2)
     q = {r["name"]: r["q"] for r in store.rows(

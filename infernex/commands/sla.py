@@ -175,6 +175,11 @@ def _fmt_ms(v) -> str:  # noqa: ANN001
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
+def _fmt_fine_ms(v) -> str:  # noqa: ANN001
+    """As :func:`_fmt_ms`, a decimal below 10 ms (the router's own time is usually under one)."""
+    return "-" if v is None else (f"{v * 1000:.1f}" if v < 0.01 else f"{v * 1000:.0f}")
+
+
 @sla_app.command("report")
 def report(
     ctx: typer.Context,
@@ -257,11 +262,12 @@ def _print_stages(rows: list[dict], since: str, t, as_json: bool) -> None:  # no
     table = Table(title=f"SLA per stage over the last {since} (TTFT {t.ttft_s * 1000:.0f} ms, "
                         f"TPOT vs ITL {t.itl_s * 1000:.0f} ms)")
     for c in ("pool", "stage", "req", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "KV transfer p50/p90/p99 ms",
-              "TTFT ok %", "TPOT ok %"):
+              "router p50/p90/p99 ms", "queue p50/p90/p99 ms", "TTFT ok %", "TPOT ok %"):
         table.add_column(c, justify="left" if c in ("pool", "stage") else "right")
     for r in rows:
         table.add_row(r["pool"], r["stage"], str(r["requests"]),
-                      *("/".join(_fmt_ms(r[f"{n}_p{q}"]) for q in (50, 90, 99)) for n in ("ttft", "tpot", "kv")),
+                      *("/".join((_fmt_fine_ms if n in ("router", "queue") else _fmt_ms)(r[f"{n}_p{q}"])
+                                 for q in (50, 90, 99)) for n in ("ttft", "tpot", "kv", "router", "queue")),
                       f"{(r['ttft_attainment'] or 0) * 100:.1f}", f"{(r['tpot_attainment'] or 0) * 100:.1f}")
     console.print(table)
 
