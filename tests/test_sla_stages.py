@@ -90,15 +90,21 @@ def _rec(i, now, **kw):
     return json.dumps({**base, **kw}).encode()
 
 
-def test_migration_3_gives_old_rows_their_stage(tmp_path):
+def store_at_version(tmp_path, version: int) -> ChdbStore:
+    """A fresh store with the migrations up to ``version`` applied (a store an older release made)."""
     store = ChdbStore(tmp_path / "chdb", "infernex")
+    old = Q.MIGRATIONS
+    Q.MIGRATIONS = tuple(m for m in old if m.version <= version)
     try:
-        old = Q.MIGRATIONS
-        Q.MIGRATIONS = tuple(m for m in old if m.version <= 2)
-        try:
-            Q.migrate(store)
-        finally:
-            Q.MIGRATIONS = old
+        Q.migrate(store)
+    finally:
+        Q.MIGRATIONS = old
+    return store
+
+
+def test_migration_3_gives_old_rows_their_stage(tmp_path):
+    store = store_at_version(tmp_path, 2)
+    try:
         now = time.time()
         store.insert_json_each_row("request_records", [
             _rec(0, now, role="pd", prefill_pod="p0", decode_pod="d0", ttft_s=0.5, itl_s=0.02),
@@ -115,14 +121,8 @@ def test_migration_3_gives_old_rows_their_stage(tmp_path):
 
 
 def test_migration_4_adds_the_routers_share_and_old_rows_read_none(tmp_path):
-    store = ChdbStore(tmp_path / "chdb", "infernex")
+    store = store_at_version(tmp_path, 3)
     try:
-        old = Q.MIGRATIONS
-        Q.MIGRATIONS = tuple(m for m in old if m.version <= 3)
-        try:
-            Q.migrate(store)
-        finally:
-            Q.MIGRATIONS = old
         now = time.time()
         store.insert_json_each_row("request_records", [_rec(0, now, ttft_s=0.3)])
         assert Q.migrate(store) == [4]
