@@ -248,8 +248,6 @@ def migrate(store: SlaStore, *, ttl_days: int = 30, raw_metrics_ttl_days: int = 
             {"v": m.version, "n": m.name},
         )
         applied.append(m.version)
-    if applied and hasattr(store, "forget_structures"):
-        store.forget_structures()  # (an embedded store caches the columns it inserts)
     _apply_ttls(store, subst)
     return applied
 

@@ -114,6 +114,8 @@ class ChdbStore:
 
     def command(self, sql: str, params: dict[str, Any] | None = None) -> None:
         self._query(sql, "CSV", params)
+        # (a statement may change a table's columns: migrations run here, chDB has one owner a path)
+        self._structures.clear()
 
     def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         res = self._query(sql, "JSON", params)
@@ -139,10 +141,6 @@ class ChdbStore:
             )
         finally:
             path.unlink(missing_ok=True)
-
-    def forget_structures(self) -> None:
-        """The tables' columns changed (a migration): read them afresh at the next insert."""
-        self._structures.clear()
 
     def _structure(self, table: str) -> tuple[str, str]:
         """(``name type, ...``, ``name, ...``) of the insertable columns, in table order (cached)."""

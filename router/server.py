@@ -1086,8 +1086,7 @@ class RouterService:
             if extra:
                 headers = {**headers, **extra}
             data = _json_encode(pre)
-            if flow.dispatch_s is None:
-                flow.dispatch_s = time.perf_counter() - flow.entered - flow.queue_s
+            _dispatched(flow)
             r = await self.upstream.post(pb.url, flow.path, data, headers)
             try:
                 data = await r.read()
@@ -1129,8 +1128,7 @@ class RouterService:
             try:
                 data = flow.raw if (body is flow.body and flow.raw is not None) else _json_encode(body)
                 headers = self._headers(flow, b)
-                if flow.dispatch_s is None:
-                    flow.dispatch_s = time.perf_counter() - flow.entered - flow.queue_s
+                _dispatched(flow)
                 up = await self.upstream.post(b.url, flow.path, data, headers)
             except _UPSTREAM_ERRORS as e:
                 log.warning("connect to %s failed for %s: %s", b.pod, flow.rid, type(e).__name__)
@@ -1372,6 +1370,12 @@ class RouterService:
             chosen_overlap_blocks=d.chosen_overlap_blocks if d else 0,
             retries=flow.retries, migrations=flow.migrations, stream=flow.stream, queue_s=flow.queue_s,
             router_s=flow.dispatch_s), msg_id=f"req:{flow.rid}")
+
+
+def _dispatched(flow: _Flow) -> None:
+    """The request goes to an engine now: its first send ends the router's own time (the queue's wait left out)."""
+    if flow.dispatch_s is None:
+        flow.dispatch_s = time.perf_counter() - flow.entered - flow.queue_s
 
 
 def _version() -> str:

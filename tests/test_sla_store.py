@@ -68,8 +68,8 @@ def test_migrations_are_versioned_and_idempotent(store):
 
 
 def test_rows_still_insert_after_the_table_gains_a_column(store):
-    """A column added while this store is open (another process's migration, a rolling upgrade) must
-    not break its inserts: the new column takes its default."""
+    """A column added while this store is open (a migration after it inserted) must not break its
+    inserts: the new column takes its default."""
     t0 = time.time() - 600
     insert(store, records(3, t0, seed=7))  # (an embedded store reads the table's columns here)
     store.command(f"ALTER TABLE {store.database}.request_records ADD COLUMN IF NOT EXISTS added_later "
