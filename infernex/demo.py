@@ -207,11 +207,22 @@ def tally_warnings(log_file: Path):
 
 # ---------------------------------------------------------------------------- virtual time
 
+def pd_arrival_stretch(cfg: "DemoConfig") -> float:
+    """How many times slower a PD strategy's arrivals come than the trace's (live and in virtual
+    time alike): with ``pd_same_load_per_engine`` its xPyD group gets the load per engine the
+    aggregated engines get, not the whole load on fewer engines."""
+    pd_engines = cfg.prefill + cfg.decode
+    if not (cfg.pd_same_load_per_engine and pd_engines and cfg.engines):
+        return 1.0
+    return max(1.0, cfg.engines / pd_engines)
+
+
 def virtual_comparison(rows, cfg: "DemoConfig") -> list:
     """The same rows and strategies through the router's real strategy code over the simulator's
     engine model in virtual time (:mod:`infernex.whatif`): deterministic, whatever the machine. The
     router reads the engines' load as the live run's metrics scrape gives it, not exact at every
-    decision (exact load flattered kv-aware's E2E by a quarter: bench/RESULTS.md, session 10)."""
+    decision (exact load flattered kv-aware's E2E by a quarter: bench/RESULTS.md, session 10). A PD
+    strategy's arrivals are stretched as in the live run (:func:`pd_arrival_stretch`)."""
     from infernex.report import StrategyResult
     from infernex.whatif import Fleet, simulate
 
@@ -222,10 +233,12 @@ def virtual_comparison(rows, cfg: "DemoConfig") -> list:
     for strategy in cfg.strategies:
         if strategy.startswith("pd-") and not fleet.pd_groups:
             continue
-        r = simulate(rows, strategy, fleet, time_scale=1.0, seed=0, max_output_tokens=cfg.max_output_tokens,
+        stretch = pd_arrival_stretch(cfg) if strategy.startswith("pd-") else 1.0
+        r = simulate(rows, strategy, fleet, time_scale=1.0 / stretch, seed=0, max_output_tokens=cfg.max_output_tokens,
                      metrics_interval_s=cfg.metrics_interval_s * cfg.time_scale)
         out.append(StrategyResult(strategy, r.summary(), r.overlap_share, r.busy_spread,
-                                  {"virtual_s": r.virtual_s, "rejected": r.rejected}))
+                                  {"virtual_s": r.virtual_s, "rejected": r.rejected, "arrival_stretch": stretch},
+                                  engine_hit_rate=r.engine_hit_rate))
     return out
 
 
@@ -404,8 +417,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, stop: asynci
                     for h in cluster.engines]
 
         pd_engines = cfg.prefill + cfg.decode
-        pd_stretch = (max(1.0, cfg.engines / pd_engines)
-                      if cfg.pd_same_load_per_engine and pd_engines and cfg.engines else 1.0)
+        pd_stretch = pd_arrival_stretch(cfg)
         for strategy in cfg.strategies:
             if stop.is_set():
                 break

@@ -135,6 +135,9 @@ class WhatIfResult:
     chosen_overlap_blocks: int
     rejected: int = 0
     extra: dict = field(default_factory=dict)
+    #: prefix-cache hits / lookups as the engines count them, decode engines of a PD group left out
+    #: (the KV a decode engine pulled from its prefill engine counts as cached there, as in vLLM)
+    engine_hit_rate: float | None = None
 
     @property
     def overlap_share(self) -> float | None:
@@ -405,8 +408,11 @@ def simulate(rows: list[TraceRow], profile: str, fleet: Fleet | None = None, *, 
     rows_out = [r.result() for r in order]
     virtual = max((r.end_s for r in rows_out if r.end_s is not None), default=0.0) - min(
         (r.start_s for r in rows_out if r.start_s is not None), default=0.0)
+    prefilling = [e for e in engines.values() if e.role != "decode"]
+    queries = sum(e.core.stats.prefix_cache_queries for e in prefilling)
     return WhatIfResult(profile=profile, rows=rows_out, wall_s=wall, virtual_s=virtual,
                         busy={p: e.busy for p, e in engines.items()},
+                        engine_hit_rate=sum(e.core.stats.prefix_cache_hits for e in prefilling) / queries if queries else None,
                         best_overlap_blocks=best_total, chosen_overlap_blocks=chosen_total, rejected=rejected,
                         extra={"kv_model": fleet.kv_model,
                                "kv_capacity_tokens": {p: e.core.num_blocks * e.core.block_size

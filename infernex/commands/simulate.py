@@ -68,7 +68,8 @@ def simulate(
         console.print(f"{prof}: {len(rows)} requests in {r.wall_s:.2f}s wall "
                       f"({len(rows) / max(r.wall_s, 1e-9):.0f} req/s), {r.virtual_s:.0f}s virtual")
         results.append(StrategyResult(prof, r.summary(), r.overlap_share, r.busy_spread,
-                                      {"wall_s": r.wall_s, "virtual_s": r.virtual_s, "rejected": r.rejected}))
+                                      {"wall_s": r.wall_s, "virtual_s": r.virtual_s, "rejected": r.rejected},
+                                      engine_hit_rate=r.engine_hit_rate))
     caps = sorted({c for r in runs for c in r.extra["kv_capacity_tokens"].values()})
     title = (f"What-if: {trace.name}, {len(rows)} requests, {engines} engines + {pd_groups} PD groups "
              f"({hardware}, {kv_model} KV model)")
