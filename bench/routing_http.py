@@ -67,6 +67,24 @@ def _cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def _cpu_wait_seconds(pid: int) -> float:
+    """Seconds the process's threads have been runnable but waiting for a CPU so far (the run-queue
+    wait in /proc/PID/task/*/schedstat; 0 where the kernel keeps none). A router on the engines'
+    cores loses this to them: every request it holds waits as long."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # (a thread that ended meanwhile)
+    return total / 1e9
+
+
 _USED_PORTS: set[int] = set()
 
 
@@ -398,7 +416,7 @@ async def main_async(args) -> None:
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
         trees = {ref: _peers().extract_ref(ref) for ref in {r.split("+")[0].partition("@")[2] for r in routers
-                                                   if not r.startswith(("sglang:", "vllm:"))} if ref}
+                                                   if not r.startswith(("sglang:", "vllm:")) and r != "direct"} if ref}
         hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                      preexec_fn=_die_with_parent if _LIBC is not None else None)
                     for _ in range(args.cpu_hog))
@@ -424,7 +442,9 @@ async def main_async(args) -> None:
                 spec, *assigns = name.split("+")  # NAME[@REF][+ENV=VALUE...]: our router with these settings
                 port = free_port()
                 ports = [port]
-                if name.startswith("vllm:"):  # its kv_aware policy reads the engines' own KV events (ZMQ)
+                if name == "direct":  # no router: the client sends the requests to the engines in turn
+                    cmds = []
+                elif name.startswith("vllm:"):  # its kv_aware policy reads the engines' own KV events (ZMQ)
                     policy = name.split(":", 1)[1]
                     cmd = [str(vr_exe), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                            "--worker-urls", *[h.url for h in engines],
@@ -458,10 +478,10 @@ async def main_async(args) -> None:
                                           preexec_fn=_die_with_parent if _LIBC is not None else None)
                          for cmd in cmds]
                 try:
-                    urls = [f"http://127.0.0.1:{pt}" for pt in ports]
-                    ours = not name.startswith(("sglang:", "vllm:"))
+                    urls = [f"http://127.0.0.1:{pt}" for pt in ports] if cmds else [h.url for h in engines]
+                    ours = bool(cmds) and not name.startswith(("sglang:", "vllm:"))
                     t_ready = time.monotonic()
-                    for url in urls:
+                    for url in urls if cmds else ():
                         await wait_ready(url, ready_path="/ready" if ours else None)
                     ready_s = time.monotonic() - t_ready
                     await asyncio.sleep(0.5)  # load state from the metrics collector
@@ -470,6 +490,7 @@ async def main_async(args) -> None:
                     idle = (sum(_cpu_seconds(pr.pid) for pr in procs) - c_idle) / (time.monotonic() - t_idle)
                     s0 = await engine_counters(ctl, engines)
                     cpu0 = sum(_cpu_seconds(pr.pid) for pr in procs)  # start-up (imports, JIT warm-up) left out
+                    wait0 = sum(_cpu_wait_seconds(pr.pid) for pr in procs)
                     ecpu0 = _engines_cpu(engine_procs)
                     t = time.monotonic()
                     res = await replay(rows, urls, model=MODEL, time_scale=1.0 / args.time_scale, prompt_mode="text",
@@ -479,6 +500,7 @@ async def main_async(args) -> None:
                     router_ttft, loop_lag, loop_late, dispatch = (await _router_stats(ctl, urls) if ours
                                                                   else (float("nan"),) * 4)
                     cpu = sum(_cpu_seconds(pr.pid) for pr in procs) - cpu0
+                    cpu_wait = sum(_cpu_wait_seconds(pr.pid) for pr in procs) - wait0
                     ecpu = _engines_cpu(engine_procs) - ecpu0
                 finally:
                     for pr in procs:
@@ -505,6 +527,7 @@ async def main_async(args) -> None:
                 decode = [r.e2e_s - r.ttft_s for r in ok if r.e2e_s is not None and r.ttft_s is not None]
                 row = {"ok": len(ok), "n": len(res.requests), "hit": hits / queries if queries else 0.0,
                        "cpu_ms_per_req": 1000 * cpu / max(len(res.requests), 1), "idle_ms_per_s": 1000 * idle,
+                       "cpu_wait_ms_per_req": 1000 * cpu_wait / max(len(res.requests), 1),
                        "engine_cpu_ms_per_req": 1000 * ecpu / max(len(res.requests), 1), "preempted": preempted,
                        "late": late, "lost": lost,
                        "spread": max(done) / (sum(done) / len(done)) if sum(done) else float("nan"),
@@ -529,7 +552,7 @@ async def main_async(args) -> None:
                     print(f"    {v} x {k}")
                 print(f"round {rnd + 1} {name:<22} ok {row['ok']}/{row['n']}  hit {row['hit']:6.1%}  spread "
                       f"{row['spread']:.2f}  TTFT p50 {row['ttft50']:.3f}s p90 {row['ttft90']:.3f}s  E2E p50 "
-                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req, idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted, engines' outputs {late * 1e3:.2f} ms late, {lost:.1%} of model time lost ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
+                      f"{row['e2e50']:.3f}s (decode {row['decode50']:.3f}s)  router CPU {row['cpu_ms_per_req']:.2f} ms/req (waited {row['cpu_wait_ms_per_req']:.1f} ms/req for one, all threads), idle {row['idle_ms_per_s']:.0f} ms/s, engines' CPU {row['engine_cpu_ms_per_req']:.1f} ms/req, {row['preempted']:.0f} preempted, engines' outputs {late * 1e3:.2f} ms late, {lost:.1%} of model time lost ({wall:.0f}s wall, ready in {ready_s:.1f}s, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
                 at_router = "" if router_ttft != router_ttft else f", {router_ttft:.3f}s as the router measured it"
                 if dispatch == dispatch:
@@ -564,7 +587,7 @@ async def main_async(args) -> None:
 
             print(f"  {name:<22} hit {med('hit'):6.1%}  spread {med('spread'):.2f}  TTFT p50 {med('ttft50'):.3f}s "
                   f"p90 {med('ttft90'):.3f}s  E2E p50 {med('e2e50'):.3f}s (decode {med('decode50'):.3f}s)  "
-                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req, idle {med('idle_ms_per_s'):.0f} ms/s, "
+                  f"router CPU {med('cpu_ms_per_req'):.2f} ms/req (waited {med('cpu_wait_ms_per_req'):.1f} for one), idle {med('idle_ms_per_s'):.0f} ms/s, "
                   f"engines' CPU {med('engine_cpu_ms_per_req'):.1f} ms/req, engines' outputs {med('late') * 1e3:.2f} ms late, "
                   f"TTFT mean {med('ttft_mean'):.3f}s (the engines' own {med('engine_ttft_mean'):.3f}s)")
     finally:
@@ -651,7 +674,8 @@ def main() -> None:
     ap.add_argument("-r", "--router", action="append", default=None,
                     help="infernex strategy (name or YAML; NAME@REF runs it from git REF's code, extracted "
                          "with git archive, in the same interleaved rounds; +ENV=VALUE sets a setting, e.g. "
-                         "kv-aware+INFERNEX_ROUTER__RECORDS=false), sglang:POLICY or vllm:POLICY; repeat")
+                         "kv-aware+INFERNEX_ROUTER__RECORDS=false), sglang:POLICY, vllm:POLICY, or direct (no router: the "
+                         "client sends to the engines in turn, the baseline for the time outside the engines); repeat")
     try:
         asyncio.run(main_async(ap.parse_args()))
     except asyncio.CancelledError:  # SIGTERM: the engines and routers are stopped by then
