@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -135,22 +136,13 @@ class SequenceTracker:
 
 # --- metrics ------------------------------------------------------------------------------------
 
-class BridgeMetrics:
-    """The bridge's Prometheus metrics. Per-frame counts are plain ints read at scrape time
-    (a custom collector), so the hot path pays no metric-object overhead; the publish
-    latency histogram samples one acknowledged batch in ``LATENCY_SAMPLE``."""
+class _BridgeFamilies:
+    """The bridge metrics of one registry, shared by every bridge of the process (one bridge process
+    may serve several engines): labelled counters and the latency histogram, and one collector that
+    reads every bridge's plain counts at scrape time."""
 
-    LATENCY_SAMPLE = 8
-
-    def __init__(self, registry: CollectorRegistry | None, pod: str):
-        self.pod = pod
-        self.frames_live = 0
-        self.frames_replay = 0
-        self.stored = 0
-        self.removed = 0
-        self.published = 0  # batches
-        self.messages = 0  # JetStream messages (a group holds several batches)
-        self.queue_depth = 0
+    def __init__(self, registry: CollectorRegistry | None):
+        self.bridges: list[BridgeMetrics] = []
         self.gaps = Counter("infernex_kv_bridge_gaps_total", "sequence gaps, by outcome",
                             ["pod", "outcome"], registry=registry)
         self.restarts = Counter("infernex_kv_bridge_engine_restarts_total",
@@ -163,42 +155,74 @@ class BridgeMetrics:
                                "events left out of their batch because the index cannot key them, by reason",
                                ["pod", "reason"], registry=registry)
         self.latency = Histogram("infernex_kv_bridge_publish_latency_seconds",
-                                 f"time from ZMQ receive to JetStream ack (1 in {self.LATENCY_SAMPLE} "
+                                 f"time from ZMQ receive to JetStream ack (1 in {BridgeMetrics.LATENCY_SAMPLE} "
                                  "batches sampled)", ["pod"], registry=registry,
                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                           2.5, 5, 10, 30))
-        self.gap_filled = self.gaps.labels(pod, "filled")
-        self.gap_lost = self.gaps.labels(pod, "lost")
-        self.restart = self.restarts.labels(pod)
-        self.dead_pod = self.dead.labels(pod)
-        self.retry = self.retries.labels(pod)
-        self.lat = self.latency.labels(pod)
         if registry is not None:
             registry.register(self)
 
     def collect(self):
-        pod = self.pod
         frames = CounterMetricFamily("infernex_kv_bridge_frames", "vLLM KV-event frames received",
                                      labels=["pod", "path"])
-        frames.add_metric([pod, "live"], self.frames_live)
-        frames.add_metric([pod, "replay"], self.frames_replay)
         blocks = CounterMetricFamily("infernex_kv_bridge_blocks", "blocks in published KV events",
                                      labels=["pod", "event"])
-        blocks.add_metric([pod, "stored"], self.stored)
-        blocks.add_metric([pod, "removed"], self.removed)
         published = CounterMetricFamily("infernex_kv_bridge_published", "batches acknowledged by JetStream",
                                         labels=["pod"])
-        published.add_metric([pod], self.published)
         messages = CounterMetricFamily("infernex_kv_bridge_messages", "JetStream messages acknowledged (a group "
                                        "message carries several batches)", labels=["pod"])
-        messages.add_metric([pod], self.messages)
         queue = GaugeMetricFamily("infernex_kv_bridge_queue_depth", "messages waiting to be published",
                                   labels=["pod"])
-        queue.add_metric([pod], self.queue_depth)
+        for m in self.bridges:
+            pod = m.pod
+            frames.add_metric([pod, "live"], m.frames_live)
+            frames.add_metric([pod, "replay"], m.frames_replay)
+            blocks.add_metric([pod, "stored"], m.stored)
+            blocks.add_metric([pod, "removed"], m.removed)
+            published.add_metric([pod], m.published)
+            messages.add_metric([pod], m.messages)
+            queue.add_metric([pod], m.queue_depth)
         return [frames, blocks, published, messages, queue]
 
     def describe(self):
         return self.collect()
+
+
+_FAMILIES: "weakref.WeakKeyDictionary[CollectorRegistry, _BridgeFamilies]" = weakref.WeakKeyDictionary()
+
+
+class BridgeMetrics:
+    """One bridge's Prometheus metrics (its ``pod`` label; the families are the registry's, shared by
+    the bridges of one process). Per-frame counts are plain ints read at scrape time (a custom
+    collector), so the hot path pays no metric-object overhead; the publish latency histogram
+    samples one acknowledged batch in ``LATENCY_SAMPLE``."""
+
+    LATENCY_SAMPLE = 8
+
+    def __init__(self, registry: CollectorRegistry | None, pod: str):
+        fam = _FAMILIES.get(registry) if registry is not None else None
+        if fam is None:
+            fam = _BridgeFamilies(registry)
+            if registry is not None:
+                _FAMILIES[registry] = fam
+        if any(m.pod == pod for m in fam.bridges):
+            raise ValueError(f"a bridge for pod {pod!r} already reports to this registry")
+        fam.bridges.append(self)
+        self.pod = pod
+        self.frames_live = 0
+        self.frames_replay = 0
+        self.stored = 0
+        self.removed = 0
+        self.published = 0  # batches
+        self.messages = 0  # JetStream messages (a group holds several batches)
+        self.queue_depth = 0
+        self.gaps, self.skipped = fam.gaps, fam.skipped
+        self.gap_filled = fam.gaps.labels(pod, "filled")
+        self.gap_lost = fam.gaps.labels(pod, "lost")
+        self.restart = fam.restarts.labels(pod)
+        self.dead_pod = fam.dead.labels(pod)
+        self.retry = fam.retries.labels(pod)
+        self.lat = fam.latency.labels(pod)
 
 
 # --- the bridge ---------------------------------------------------------------------------------
@@ -705,21 +729,62 @@ async def run_bridge(cfg: BridgeConfig, nats_cfg, *, topology=None, registry: Co
                      max_frame_age_s: float | None = None) -> BridgeStats:
     """Connect to NATS and run one bridge until ``stop`` (CLI entry); ``health`` (a
     :class:`consumers.health.Health`) gets its checks: NATS connected, age of the last frame."""
+    (stats,) = await run_bridges([cfg], nats_cfg, topology=topology, registry=registry, stop=stop, health=health,
+                                 max_frame_age_s=max_frame_age_s)
+    return stats
+
+
+async def run_bridges(cfgs: list[BridgeConfig], nats_cfg, *, topology=None,
+                      registry: CollectorRegistry | None = None, stop: asyncio.Event | None = None, health=None,
+                      max_frame_age_s: float | None = None) -> list[BridgeStats]:
+    """Several engines' bridges in this process, on one event loop and one NATS connection, until
+    ``stop``: e.g. one sidecar for every data-parallel rank of a pod, or one process for a node's
+    engines. Each keeps its own socket, sequence, recovery and subject; they share the process's
+    fixed costs (the interpreter, the loop's wake-ups, the compiled kernels), which made four
+    engines' ingest cost a third less CPU a block than four bridge processes (bench/RESULTS.md,
+    session 30). ``health`` gets the NATS check and one frame-age check per engine (``kv_frames``
+    alone, ``kv_frames:<pod>`` for several). A bridge that fails stops the others."""
     from streams.topology import build_topology, stream_for_subject
 
+    if not cfgs:
+        raise ValueError("no engine to bridge")
+    pods = [c.pod for c in cfgs]
+    if len(set(pods)) != len(pods):
+        raise ValueError(f"each engine needs its own pod name: {sorted({p for p in pods if pods.count(p) > 1})} "
+                         "given twice (batches of two engines under one name would collide)")
     stop = stop or asyncio.Event()
-    nc = await bus.connect(nats_cfg, name=f"kv-bridge-{cfg.pod}")
+    name = f"kv-bridge-{cfgs[0].pod}" + (f"+{len(cfgs) - 1}" if len(cfgs) > 1 else "")
+    nc = await bus.connect(nats_cfg, name=name)
     try:
         topo = topology or build_topology(prefix=nats_cfg.subject_prefix)
-        subject = S.with_prefix(nats_cfg.subject_prefix, S.kv_events(cfg.model, cfg.pod))
-        spec = stream_for_subject(topo, subject)
-        bridge = KvBridge(cfg, nc, subject_prefix=nats_cfg.subject_prefix, registry=registry,
-                          stream=spec.name if spec else None)
+        bridges = []
+        for cfg in cfgs:
+            subject = S.with_prefix(nats_cfg.subject_prefix, S.kv_events(cfg.model, cfg.pod))
+            spec = stream_for_subject(topo, subject)
+            bridges.append(KvBridge(cfg, nc, subject_prefix=nats_cfg.subject_prefix, registry=registry,
+                                    stream=spec.name if spec else None))
         if health is not None:
             from consumers.health import age_check, nats_check
 
-            health.add("nats", nats_check(nc)).add(
-                "kv_frames", age_check(lambda: bridge.stats.last_frame_at, max_age_s=max_frame_age_s))
-        return await bridge.run(stop)
+            health.add("nats", nats_check(nc))
+            for b in bridges:
+                health.add("kv_frames" if len(bridges) == 1 else f"kv_frames:{b.cfg.pod}",
+                           age_check(lambda b=b: b.stats.last_frame_at, max_age_s=max_frame_age_s))
+        if len(bridges) == 1:
+            return [await bridges[0].run(stop)]
+        inner = asyncio.Event()  # the caller's stop, or one bridge failing: the others stop too
+        watch = asyncio.create_task(stop.wait())
+        watch.add_done_callback(lambda _t: inner.set())
+        tasks = [asyncio.create_task(b.run(inner), name=f"kv-bridge-{b.cfg.pod}") for b in bridges]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            inner.set()  # (each one hands over what it holds before it returns)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            watch.cancel()
+        for t in tasks:
+            if t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
     finally:
         await nc.close()

@@ -47,18 +47,35 @@ async def _serve_health(port: Optional[int], registry, health, host: str = "0.0.
         out.print(f"metrics and health on http://{host}:{port}/metrics, /healthz, /readyz")
 
 
+def _per_engine(values: list, n: int, flag: str, default) -> list:  # noqa: ANN001
+    """A repeatable option's values for ``n`` engines: one each (in ``--endpoint`` order), one for
+    all, or none (``default`` for all, or a usage error when ``default`` is ``...``)."""
+    if len(values) == n:
+        return list(values)
+    if len(values) == 1 and flag in ("--model", "--topic"):
+        return list(values) * n
+    if not values and default is not ...:
+        return [default] * n
+    raise typer.BadParameter(f"give one {flag} per --endpoint ({n} endpoints, {len(values)} {flag})",
+                             param_hint=flag)
+
+
 @bridge_app.command("vllm-kv")
 def bridge_vllm_kv(
     ctx: typer.Context,
-    endpoint: str = typer.Option(..., "--endpoint", help="vLLM KV-event PUB endpoint, tcp://HOST:PORT"),
-    pod: str = typer.Option(..., "--pod", help="pod (engine) name"),
-    model: str = typer.Option(..., "--model", help="served model name"),
-    replay_endpoint: Optional[str] = typer.Option(None, "--replay-endpoint", help="vLLM replay ROUTER endpoint"),
-    dp_rank: int = typer.Option(0, "--dp-rank", min=0,
-                                help="data-parallel rank if the engine sends none (one bridge and one --pod "
-                                     "name per rank: each rank has its own sequence)"),
-    topic: str = typer.Option("", "--topic", help="ZMQ topic to subscribe to ('' = all)"),
-    max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed"),
+    endpoint: list[str] = typer.Option(..., "--endpoint",
+                                       help="vLLM KV-event PUB endpoint, tcp://HOST:PORT; repeat to bridge several "
+                                            "engines (e.g. a pod's data-parallel ranks) in this one process"),
+    pod: list[str] = typer.Option(..., "--pod", help="pod (engine) name: one per --endpoint, in order"),
+    model: list[str] = typer.Option(..., "--model", help="served model name: one for all, or one per --endpoint"),
+    replay_endpoint: list[str] = typer.Option([], "--replay-endpoint",
+                                              help="vLLM replay ROUTER endpoint: none, or one per --endpoint"),
+    dp_rank: list[int] = typer.Option([], "--dp-rank", min=0,
+                                      help="data-parallel rank if the engine sends none (default 0): none, or one "
+                                           "per --endpoint (each rank has its own sequence and --pod name)"),
+    topic: list[str] = typer.Option([""], "--topic", help="ZMQ topic to subscribe to ('' = all): one for all, "
+                                                          "or one per --endpoint"),
+    max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed, per engine"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
                                                help="serve /metrics, /healthz and /readyz here"),
     metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="address the metrics port binds"),
@@ -78,23 +95,34 @@ def bridge_vllm_kv(
                                    help="binary: send vLLM's token ids instead of each block's digest (4 bytes "
                                         "per token instead of 8 per block; for consumers older than digests)"),
 ) -> None:
-    """Subscribe to a vLLM KV-event stream and publish its batches to JetStream (a message per batch,
-    or per group of batches that were ready at once)."""
+    """Subscribe to vLLM KV-event streams and publish their batches to JetStream (a message per batch,
+    or per group of batches that were ready at once). Several engines in one process share its
+    fixed costs: about a third less CPU a block than a process each (bench/RESULTS.md, session 30)."""
     from prometheus_client import CollectorRegistry
 
     from consumers.health import Health
-    from consumers.kv_bridge import BridgeConfig, run_bridge
+    from consumers.kv_bridge import BridgeConfig, run_bridges
 
     if encoding not in ("binary", "json"):
         raise typer.BadParameter("give binary or json", param_hint="--encoding")
-    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise typer.BadParameter("endpoint must look like tcp://HOST:PORT", param_hint="--endpoint")
+    for ep in endpoint:
+        if not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise typer.BadParameter(f"endpoint must look like tcp://HOST:PORT, not {ep!r}", param_hint="--endpoint")
+    n = len(endpoint)
+    pods = _per_engine(pod, n, "--pod", ...)
+    if len(set(pods)) != n:
+        raise typer.BadParameter("each --endpoint needs its own --pod name (two engines' batches under one "
+                                 "name would collide)", param_hint="--pod")
+    models = _per_engine(model, n, "--model", ...)
+    replays = _per_engine(replay_endpoint, n, "--replay-endpoint", None)
+    ranks = _per_engine(dp_rank, n, "--dp-rank", 0)
+    topics = _per_engine(topic, n, "--topic", "")
     settings = _settings(ctx)
     registry = CollectorRegistry()
-    health = Health(f"kv-bridge {pod}")
-    cfg = BridgeConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, pod=pod, model=model, topic=topic,
-                       dp_rank=dp_rank, max_inflight=max_inflight, encoding=encoding,
-                       group_max=group_max, group_wait_s=group_wait, digests=not token_ids)
+    health = Health(f"kv-bridge {pods[0]}" + (f" (+{n - 1} engines)" if n > 1 else ""))
+    cfgs = [BridgeConfig(endpoint=endpoint[i], replay_endpoint=replays[i], pod=pods[i], model=models[i],
+                         topic=topics[i], dp_rank=ranks[i], max_inflight=max_inflight, encoding=encoding,
+                         group_max=group_max, group_wait_s=group_wait, digests=not token_ids) for i in range(n)]
 
     async def go():
         await _serve_health(metrics_port, registry, health, metrics_host)
@@ -103,13 +131,15 @@ def bridge_vllm_kv(
         kv_wire_compiled.warm_up()  # the kernels first (numba's dispatchers are start-up objects too)
         kv_transcode.warm_up()
         settle_gc()
-        stats = await run_bridge(cfg, settings.nats, registry=registry, stop=_stop_event(), health=health,
-                                 max_frame_age_s=max_frame_age)
-        out.print(f"bridge stopped: {stats.frames} frames, {stats.published} batches published, "
-                  f"{stats.gaps_filled} gaps filled, {stats.gaps_lost} lost, {stats.restarts} restarts, "
-                  f"{stats.dead_letters} dead letters")
+        for cfg, stats in zip(cfgs, await run_bridges(cfgs, settings.nats, registry=registry, stop=_stop_event(),
+                                                      health=health, max_frame_age_s=max_frame_age)):
+            out.print(f"bridge {cfg.pod} stopped: {stats.frames} frames, {stats.published} batches published, "
+                      f"{stats.gaps_filled} gaps filled, {stats.gaps_lost} lost, {stats.restarts} restarts, "
+                      f"{stats.dead_letters} dead letters")
 
-    out.print(f"bridging {endpoint} (pod {pod}, model {model}, {encoding}); Ctrl-C stops")
+    for i in range(n):
+        out.print(f"bridging {endpoint[i]} (pod {pods[i]}, model {models[i]}, {encoding})"
+                  + ("; Ctrl-C stops" if i == n - 1 else ""))
     _run(go(), fast=True)
 
 
