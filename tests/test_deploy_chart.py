@@ -14,6 +14,7 @@ from deploytools import (
     EXAMPLE_VALUES,
     ToolMissing,
     arg_value,
+    arg_values,
     by_kind,
     container,
     helm,
@@ -324,7 +325,7 @@ def test_every_container_has_probes_that_check_something(values):
             start = c["startupProbe"]
             assert start["httpGet"] == c["livenessProbe"]["httpGet"], where
             assert start["periodSeconds"] * start["failureThreshold"] >= 120, where
-            if c["name"] not in ("kv-bridge", "metrics-collector") and not c["name"].startswith("kv-bridge-dp"):
+            if c["name"] not in ("kv-bridge", "metrics-collector"):
                 # a sidecar's readiness would gate its engine on NATS; the others must be ready-checked
                 assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", where
     assert seen >= 6
@@ -432,23 +433,37 @@ DP2 = ["inference-backend.services[0].name=m", "inference-backend.services[0].mo
        "inference-backend.services[0].aggregated.dataParallelSize=2"]
 
 
-def test_one_kv_bridge_per_data_parallel_rank():
-    """vLLM adds the DP rank to the KV-event ports: each rank gets its own bridge and scrape port."""
+def test_one_kv_bridge_serves_every_data_parallel_rank():
+    """vLLM adds the DP rank to the KV-event ports: one bridge process reads every rank's sockets,
+    each rank under its own pod name and rank, and serves one scrape port."""
+    import click
+    from typer.main import get_command
+
+    from infernex.cli import app
+
     docs = render(None, sets=DP2)
     dep = one(docs, "Deployment", "m")
     eng = container(dep, "engine")
     kv = json.loads(arg_value(eng["args"], "--kv-events-config"))
     pub, replay = int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1])
     bridges = [c for c in pod_spec(dep)["containers"] if c["name"].startswith("kv-bridge")]
-    assert [b["name"] for b in bridges] == ["kv-bridge", "kv-bridge-dp1"]
-    for rank, b in enumerate(bridges):
-        assert arg_value(b["args"], "--endpoint") == f"tcp://127.0.0.1:{pub + rank}"
-        assert arg_value(b["args"], "--replay-endpoint") == f"tcp://127.0.0.1:{replay + rank}"
-        assert arg_value(b["args"], "--dp-rank") == str(rank)
-    metric_ports = {arg_value(b["args"], "--metrics-port") for b in bridges}
-    assert len(metric_ports) == 2
+    assert [b["name"] for b in bridges] == ["kv-bridge"]
+    args = bridges[0]["args"]
+    assert arg_values(args, "--endpoint") == [f"tcp://127.0.0.1:{pub + r}" for r in range(2)]
+    assert arg_values(args, "--replay-endpoint") == [f"tcp://127.0.0.1:{replay + r}" for r in range(2)]
+    assert arg_values(args, "--dp-rank") == ["0", "1"]
+    assert arg_values(args, "--pod") == ["$(POD_NAME)-dp0", "$(POD_NAME)-dp1"]
+    assert arg_values(args, "--metrics-port") == ["9106"]
+    # the args parse with the real CLI, each rank's values paired in order
+    root = get_command(app)
+    ctx = click.Context(root, info_name="infernex")
+    group = root.get_command(ctx, "bridge")
+    cmd = group.get_command(click.Context(group, info_name="bridge", parent=ctx), "vllm-kv")
+    parsed = cmd.make_context("vllm-kv", list(args[2:]), parent=ctx)
+    assert parsed.params["endpoint"] == arg_values(args, "--endpoint") and parsed.params["dp_rank"] == [0, 1]
     engines_sm = one(docs, "ServiceMonitor", "infernex-engines")
-    assert {"bridge", "bridge-dp1"} <= {e["port"] for e in engines_sm["spec"]["endpoints"]}
+    assert "bridge" in {e["port"] for e in engines_sm["spec"]["endpoints"]}
+    assert not any(e["port"].startswith("bridge-dp") for e in engines_sm["spec"]["endpoints"])
     assert eng["resources"]["limits"]["huawei.com/ascend-1980"] == "2"
 
 
@@ -475,12 +490,13 @@ def test_packaged_chart_carries_the_dashboards(tmp_path):
 
 
 def test_kv_bridges_send_digests_unless_told_to_send_token_ids():
-    """By default the bridges send block digests; ``kvEvents.tokenIds`` makes every rank's bridge
-    keep vLLM's token ids (for a rollout where older consumers still run)."""
+    """By default the bridge sends block digests; ``kvEvents.tokenIds`` makes it keep vLLM's token ids
+    for every rank (for a rollout where older consumers still run)."""
     for sets, want in ((DP2, False), (DP2 + ["inference-backend.services[0].kvEvents.tokenIds=true"], True)):
         dep = one(render(None, sets=sets), "Deployment", "m")
         bridges = [c for c in pod_spec(dep)["containers"] if c["name"].startswith("kv-bridge")]
-        assert len(bridges) == 2 and all(("--token-ids" in b["args"]) is want for b in bridges)
+        assert len(bridges) == 1 and ("--token-ids" in bridges[0]["args"]) is want
+        assert len(arg_values(bridges[0]["args"], "--endpoint")) == 2
 
 
 def test_the_indexer_reserves_the_blocks_set_in_the_values():

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from deploytools import arg_value, by_kind, container, helm, one, render, CHART
+from deploytools import arg_value, arg_values, by_kind, container, helm, one, render, CHART
 
 PD = "values-pd-2p2d.yaml"
 SVC = "inference-backend.services[0]"
@@ -68,9 +68,9 @@ def test_data_parallel_ranks_publish_under_their_own_names():
     docs = render(None, sets=[f"{SVC}.name=m", f"{SVC}.mode=aggregated", f"{SVC}.model.name=org/m",
                               f"{SVC}.openfuyao.model=m", f"{SVC}.aggregated.dataParallelSize=2"])
     dep = one(docs, "Deployment", "m")
-    pods = [arg_value(c["args"], "--pod") for c in dep["spec"]["template"]["spec"]["containers"]
+    pods = [arg_values(c["args"], "--pod") for c in dep["spec"]["template"]["spec"]["containers"]
             if c["name"].startswith("kv-bridge")]
-    assert pods == ["$(POD_NAME)-dp0", "$(POD_NAME)-dp1"]
+    assert pods == [["$(POD_NAME)-dp0", "$(POD_NAME)-dp1"]]  # one bridge process, each rank its own name
     single = render(None, sets=[f"{SVC}.name=m", f"{SVC}.mode=aggregated", f"{SVC}.model.name=org/m",
                                 f"{SVC}.openfuyao.model=m"])
     dep = one(single, "Deployment", "m")

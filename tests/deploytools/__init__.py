@@ -157,6 +157,11 @@ def arg_value(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
+def arg_values(args: list[str], flag: str) -> list[str]:
+    """Every value of a repeated flag, in order."""
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+
+
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
