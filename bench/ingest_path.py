@@ -11,7 +11,8 @@ Per run (encodings alternate: json, binary, json, ...; each run on a fresh file-
 nats-server): one publisher process sends vLLM-0.33-shaped frames (``simulator.kv_events.
 encode_batch``: a map-encoded ``KVEventBatch`` with one ``BlockStored`` chain of ``--stored``
 blocks and one ``BlockRemoved`` of ``--removed``) on one ZMQ PUB socket per pod; one
-``infernex bridge vllm-kv --encoding E`` process per pod (uvloop) publishes to JetStream; one
+``infernex bridge vllm-kv --encoding E`` process (uvloop; ``--bridges one``, the default: one process
+for every pod's socket, as Dynamo's indexer is one process; ``per-pod``: one each) publishes to JetStream; one
 indexer process (``IndexerService`` on uvloop, as ``infernex indexer`` runs it) folds.
 
 * flat-out: ``--frames`` frames per pod as fast as the publisher can; stored blocks per second
@@ -517,6 +518,8 @@ async def one_run(encoding: str, args) -> dict:
     if encoding == "dynamo":
         return await dynamo_run(args)
     encoding, _, ref = encoding.partition("@")  # "binary@REF": that git ref's bridges and indexer
+    encoding, _, layout = encoding.partition(":")  # "binary:per-pod": this run's bridge layout
+    layout = layout or args.bridges
     tree = args.trees[ref] if ref else ROOT
 
     from infernex.embedded_nats import EmbeddedNats, free_port
@@ -534,26 +537,31 @@ async def one_run(encoding: str, args) -> dict:
         cmds, done = mp.Queue(), mp.Queue()
         pub = mp.Process(target=publisher_proc, args=(ports, cmds, done, args))
         pub.start()
-        bridges = []
-        mports = [free_port() for _ in ports]
-        for i, p in enumerate(ports):
+        bridges, logs = [], []
+        # one bridge process for every pod (as Dynamo's indexer is one process for them all), or one each
+        groups = [list(range(len(ports)))] if layout == "one" else [[i] for i in range(len(ports))]
+        mports = [free_port() for _ in groups]
+        for g, pods_ in enumerate(groups):
+            logs.append(Path(tmp) / f"bridge-{g}.log")
             bridges.append(subprocess.Popen(
-                [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv", "--endpoint", f"tcp://127.0.0.1:{p}",
-                 "--pod", f"pod-{i}", "--model", MODEL, "--encoding", "json" if encoding == "json" else "binary",
+                [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv",
+                 *[a for i in pods_ for a in ("--endpoint", f"tcp://127.0.0.1:{ports[i]}", "--pod", f"pod-{i}")],
+                 "--model", MODEL, "--encoding", "json" if encoding == "json" else "binary",
                  "--group-max", "1" if encoding in ("json", "binary1") else str(args.group_max),
                  *(["--group-wait", str(args.group_wait)] if args.group_wait is not None else []),
-                 "--metrics-port", str(mports[i])],
-                env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"bridge-{i}.log", "w")))
+                 "--metrics-port", str(mports[g])],
+                env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
         procs.extend(bridges)
         cmds.put("warm")
         deadline = time.monotonic() + 120
         async with httpx.AsyncClient(timeout=2) as http:
-            for i, mp_ in enumerate(mports):  # every bridge has received frames: its SUB has joined
+            for g, mp_ in enumerate(mports):  # every bridge has received frames: its SUB has joined
+                i = groups[g][-1]
                 while True:
                     try:
                         text = (await http.get(f"http://127.0.0.1:{mp_}/metrics")).text
-                        if f'infernex_kv_bridge_frames_total{{path="live",pod="pod-{i}"}} 0.0' not in text \
-                                and "infernex_kv_bridge_frames_total" in text:
+                        if all(f'infernex_kv_bridge_frames_total{{path="live",pod="pod-{i}"}} 0.0' not in text
+                               and f'pod="pod-{i}"' in text for i in groups[g]):
                             break
                     except httpx.HTTPError:
                         pass
@@ -622,12 +630,13 @@ async def one_run(encoding: str, args) -> dict:
         ix.send_signal(signal.SIGTERM)
         ix.wait(30)
         lags = sorted(v for t, v in json.loads(lag_file.read_text()) if t >= t_paced)
-        warned = sum(1 for i in range(args.pods) for line in open(Path(tmp) / f"bridge-{i}.log")
+        warned = sum(1 for log_ in logs for line in open(log_)
                      if "WARNING" in line or "retrying" in line or "lost" in line)
         res["bridge_warnings"] = warned
+        res["bridge_processes"] = len(bridges)
         if warned:
             print(f"  ({warned} bridge warnings, e.g. "
-                  f"{next(iter(l for i in range(args.pods) for l in open(Path(tmp) / f'bridge-{i}.log')), '')[:160]!r})",
+                  f"{next(iter(l for log_ in logs for l in open(log_)), '')[:160]!r})",
                   flush=True)
             res["skipped"] = {k: await _metric(http, f'infernex_indexer_anomalies_total{{kind="{k}"}}')
                               for k in ("unknown_parent", "unknown_removed")}
@@ -675,6 +684,10 @@ def main() -> None:
     ap.add_argument("--encodings", default="json,binary1,binary",
                     help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
     ap.add_argument("--group-max", type=int, default=64, help="the bridges' --group-max for 'binary'")
+    ap.add_argument("--bridges", choices=["one", "per-pod"], default="one",
+                    help="one bridge process for every pod (the default since session 30; Dynamo's indexer is "
+                         "one process too) or one process per pod (before); an encoding given as ENC:one or "
+                         "ENC:per-pod runs with that layout, e.g. --encodings binary:per-pod,binary")
     ap.add_argument("--group-wait", type=float, default=None, help="the bridges' --group-wait (default: theirs)")
     ap.add_argument("--before-ref", default=None,
                     help="also run each encoding with the bridges and the indexer of this git ref (extracted with "
