@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from infernex.embedded_nats import free_port
 from schemas import KvEventBatch
@@ -130,3 +131,42 @@ def test_bridge_cli_pairs_each_endpoint_with_its_pod():
     assert r.exit_code == 2 and "its own --pod name" in r.output
     r = CliRunner().invoke(app, base + ["--pod", "a", "--pod", "b", "--replay-endpoint", "tcp://127.0.0.1:3"])
     assert r.exit_code == 2 and "one --replay-endpoint per --endpoint" in r.output
+
+
+async def test_a_failing_engine_bridge_stops_the_process_and_hands_over_the_others(nats_config, nc, prefix, topology,
+                                                                                   monkeypatch):
+    """One engine's bridge failing ends run_bridges with its error (the container restarts, not a
+    process bridging half the ranks quietly); the other engine's bridge stops too, after publishing
+    what it had read."""
+    from consumers import kv_bridge
+    from consumers.kv_bridge import BridgeConfig, run_bridges
+
+    good = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    real_run = kv_bridge.KvBridge.run
+    started = asyncio.Event()
+
+    async def run(self, stop):
+        if self.cfg.pod == "bad":
+            await started.wait()  # (the good one is reading by then)
+            await asyncio.sleep(0.3)
+            raise RuntimeError("engine socket broke")
+        started.set()
+        return await real_run(self, stop)
+
+    monkeypatch.setattr(kv_bridge.KvBridge, "run", run)
+    cfgs = [BridgeConfig(endpoint=good.endpoint, replay_endpoint=good.replay_endpoint, pod="good", model="m1"),
+            BridgeConfig(endpoint="tcp://127.0.0.1:1", pod="bad", model="m1", recover=False)]
+    task = asyncio.create_task(run_bridges(cfgs, nats_config))
+    try:
+        await asyncio.wait_for(started.wait(), 20)
+        for k in range(5):
+            good.publish([block_stored([7000 + k], None, list(range(16)), 16)])
+            await asyncio.sleep(0.02)
+        with pytest.raises(RuntimeError, match="engine socket broke"):
+            await asyncio.wait_for(task, 30)
+    finally:
+        good.close()
+    subject = S.with_prefix(prefix, S.kv_events("m1", "good"))
+    stream = stream_for_subject(topology, subject).name
+    batches = KvEventBatch.all_from_bytes((await nc.jetstream().get_last_msg(stream, subject)).data)
+    assert batches[-1].seq == good.next_seq - 1  # the good engine's frames all published before it stopped
