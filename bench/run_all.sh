@@ -12,7 +12,7 @@ run() { name=$1; shift; echo "== $name: $* (start $(date -u +%H:%M:%S), load $(c
 run kv "$P" -P bench/kv_index.py --events 200000 --queries 20000
 run ingest "$P" bench/ingest_path.py --runs 3 --pods 4 --frames 6000 --seconds 8
 run ingest-long "$P" -P bench/ingest_path.py --runs 3 --pods 4 --frames 30000 --seconds 4 --timeout 200
-run ingest-steady "$P" -P bench/ingest_path.py --runs 3 --pods 4 --frames 30000 --capacity 250000 --seconds 4 --timeout 200
+run ingest-steady "$P" -P bench/ingest_path.py --runs 3 --pods 4 --frames 30000 --capacity 250000 --seconds 4 --timeout 200 --encodings binary:per-pod,binary
 run agreement "$P" bench/index_agreement.py
 run router "$P" -P bench/router.py
 run router-long "$P" -P bench/router.py --backends 8 --requests 1000 --prompt-chars 7400 --strategies kv-aware --peers sglang-router --peer-policies cache_aware --rounds 3
