@@ -44,9 +44,10 @@ buffered); the folds put them back in order per pod (``KvIndex(reorder_window_s=
 While the engine is quiet, an empty batch at the last position is sent every ``heartbeat_s``
 (the indexer's liveness signal for ``pod_timeout_s``). Sequences past 2**63-1 are dead-lettered.
 
-One bridge serves one engine endpoint. vLLM gives every data-parallel rank its own
+One :class:`KvBridge` serves one engine endpoint. vLLM gives every data-parallel rank its own
 endpoint and its own sequence, so a pod with several DP ranks needs one bridge per rank
-with distinct ``--pod`` names (``(pod, epoch, seq)`` must stay unique).
+with distinct ``--pod`` names (``(pod, epoch, seq)`` must stay unique); :func:`run_bridges`
+runs several of them in one process (one event loop, one NATS connection).
 """
 
 from __future__ import annotations
