@@ -63,17 +63,17 @@ def _per_engine(values: list, n: int, flag: str, default) -> list:  # noqa: ANN0
 @bridge_app.command("vllm-kv")
 def bridge_vllm_kv(
     ctx: typer.Context,
-    endpoint: list[str] = typer.Option(..., "--endpoint",
+    endpoint: list[str] = typer.Option(..., "--endpoint", metavar="URL",
                                        help="vLLM KV-event PUB endpoint, tcp://HOST:PORT; repeat to bridge several "
                                             "engines (e.g. a pod's data-parallel ranks) in this one process"),
-    pod: list[str] = typer.Option(..., "--pod", help="pod (engine) name: one per --endpoint, in order"),
-    model: list[str] = typer.Option(..., "--model", help="served model name: one for all, or one per --endpoint"),
-    replay_endpoint: list[str] = typer.Option([], "--replay-endpoint",
+    pod: list[str] = typer.Option(..., "--pod", metavar="NAME", help="pod (engine) name: one per --endpoint, in order"),
+    model: list[str] = typer.Option(..., "--model", metavar="NAME", help="served model name: one for all, or one per --endpoint"),
+    replay_endpoint: list[str] = typer.Option([], "--replay-endpoint", metavar="URL",
                                               help="vLLM replay ROUTER endpoint: none, or one per --endpoint"),
-    dp_rank: list[int] = typer.Option([], "--dp-rank", min=0,
+    dp_rank: list[int] = typer.Option([], "--dp-rank", min=0, metavar="RANK",
                                       help="data-parallel rank if the engine sends none (default 0): none, or one "
                                            "per --endpoint (each rank has its own sequence and --pod name)"),
-    topic: list[str] = typer.Option([""], "--topic", help="ZMQ topic to subscribe to ('' = all): one for all, "
+    topic: list[str] = typer.Option([""], "--topic", metavar="TOPIC", help="ZMQ topic to subscribe to ('' = all): one for all, "
                                                           "or one per --endpoint"),
     max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="unacknowledged publishes allowed, per engine"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
