@@ -21,6 +21,30 @@ def batch(seq: int):
     return [block_stored([seq + 1], None, [seq, seq + 1], 2)]
 
 
+async def _bus(server: EmbeddedNats, prefix: str):
+    """(settings, a connected client, the topology applied) for ``prefix`` on ``server``."""
+    cfg = NatsConfig(servers=[server.url], subject_prefix=prefix, connect_timeout_s=3)
+    nc = await bus.connect(cfg)
+    topo = build_topology(prefix=prefix)
+    await bus.apply_topology(nc.jetstream(), topo)
+    return cfg, nc, topo
+
+
+async def stored_batches(js, subject: str, stream: str, durable: str) -> list:
+    """Every batch the stream holds for ``subject``, in stored order."""
+    sub = await js.pull_subscribe(subject, durable=durable, stream=stream)
+    got = []
+    while True:
+        try:
+            msgs = await sub.fetch(100, timeout=2)
+        except Exception:  # noqa: BLE001 - no more messages
+            break
+        for m in msgs:
+            got.extend(KvEventBatch.all_from_bytes(m.data))
+            await m.ack()
+    return got
+
+
 async def test_nats_restart_loses_nothing(tmp_path):
     server = EmbeddedNats(tmp_path / "store")
     server.start()
@@ -28,10 +52,7 @@ async def test_nats_restart_loses_nothing(tmp_path):
     pub = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
     nc = None
     try:
-        cfg = NatsConfig(servers=[server.url], subject_prefix=prefix, connect_timeout_s=3)
-        nc = await bus.connect(cfg)
-        topo = build_topology(prefix=prefix)
-        await bus.apply_topology(nc.jetstream(), topo)
+        cfg, nc, topo = await _bus(server, prefix)
         subject = S.with_prefix(prefix, S.kv_events("m", "pod-r"))
         stream = stream_for_subject(topo, subject).name
         reg = CollectorRegistry()
@@ -66,17 +87,7 @@ async def test_nats_restart_loses_nothing(tmp_path):
         stop.set()
         await asyncio.wait_for(task, 30)
 
-        js = nc.jetstream()
-        sub = await js.pull_subscribe(subject, durable="dur-check", stream=stream)
-        got = []
-        while True:
-            try:
-                msgs = await sub.fetch(100, timeout=2)
-            except Exception:  # noqa: BLE001 - no more messages
-                break
-            for m in msgs:
-                got.extend(KvEventBatch.all_from_bytes(m.data))
-                await m.ack()
+        got = await stored_batches(nc.jetstream(), subject, stream, "dur-check")
         seqs = [b.seq for b in got]
         assert sorted(seqs) == list(range(total))  # every batch, once
         assert seqs == list(range(total))  # and in order
@@ -102,10 +113,7 @@ async def test_nats_restart_loses_nothing_with_one_bridge_process_for_two_engine
     stop = asyncio.Event()
     task = None
     try:
-        cfg = NatsConfig(servers=[server.url], subject_prefix=prefix, connect_timeout_s=3)
-        nc = await bus.connect(cfg)
-        topo = build_topology(prefix=prefix)
-        await bus.apply_topology(nc.jetstream(), topo)
+        cfg, nc, topo = await _bus(server, prefix)
         subjects = {p: S.with_prefix(prefix, S.kv_events("m", p)) for p in pubs}
         stream = stream_for_subject(topo, subjects["dp0"]).name
         reg = CollectorRegistry()
@@ -149,18 +157,8 @@ async def test_nats_restart_loses_nothing_with_one_bridge_process_for_two_engine
         stop.set()
         await asyncio.wait_for(task, 30)
 
-        js = nc.jetstream()
         for p, subject in subjects.items():
-            sub = await js.pull_subscribe(subject, durable=f"dur-check-{p}", stream=stream)
-            got = []
-            while True:
-                try:
-                    msgs = await sub.fetch(100, timeout=2)
-                except Exception:  # noqa: BLE001 - no more messages
-                    break
-                for m in msgs:
-                    got.extend(KvEventBatch.all_from_bytes(m.data))
-                    await m.ack()
+            got = await stored_batches(nc.jetstream(), subject, stream, f"dur-check-{p}")
             assert [b.seq for b in got] == list(range(pubs[p].next_seq)), p  # every batch, once, in order
             assert {b.pod for b in got} == {p}
         assert sum(reg.get_sample_value("infernex_kv_bridge_publish_retries_total", {"pod": p}) or 0 for p in pubs) >= 1
