@@ -416,7 +416,7 @@ async def main_async(args) -> None:
 
         env = dict(os.environ, PYTHONPATH=ROOT, INFERNEX_NATS__SERVERS=server.url)
         trees = {ref: _peers().extract_ref(ref) for ref in {r.split("+")[0].partition("@")[2] for r in routers
-                                                   if not r.startswith(("sglang:", "vllm:")) and r != "direct"} if ref}
+                                                   if not r.startswith(("sglang:", "vllm:"))} if ref}
         hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                      preexec_fn=_die_with_parent if _LIBC is not None else None)
                     for _ in range(args.cpu_hog))
@@ -481,7 +481,8 @@ async def main_async(args) -> None:
                     urls = [f"http://127.0.0.1:{pt}" for pt in ports] if cmds else [h.url for h in engines]
                     ours = bool(cmds) and not name.startswith(("sglang:", "vllm:"))
                     t_ready = time.monotonic()
-                    for url in urls if cmds else ():
+                    for url in urls if procs else ():  # (direct: no router to wait for; a warm-up
+                        # completion would only add to the engines' caches)
                         await wait_ready(url, ready_path="/ready" if ours else None)
                     ready_s = time.monotonic() - t_ready
                     await asyncio.sleep(0.5)  # load state from the metrics collector

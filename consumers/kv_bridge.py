@@ -217,7 +217,7 @@ class BridgeMetrics:
         self.published = 0  # batches
         self.messages = 0  # JetStream messages (a group holds several batches)
         self.queue_depth = 0
-        self.gaps, self.skipped = fam.gaps, fam.skipped
+        self.skipped = fam.skipped  # (labelled per event: the family)
         self.gap_filled = fam.gaps.labels(pod, "filled")
         self.gap_lost = fam.gaps.labels(pod, "lost")
         self.restart = fam.restarts.labels(pod)

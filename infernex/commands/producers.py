@@ -47,12 +47,12 @@ async def _serve_health(port: Optional[int], registry, health, host: str = "0.0.
         out.print(f"metrics and health on http://{host}:{port}/metrics, /healthz, /readyz")
 
 
-def _per_engine(values: list, n: int, flag: str, default) -> list:  # noqa: ANN001
+def _per_engine(values: list, n: int, flag: str, default, *, one_for_all: bool = False) -> list:  # noqa: ANN001
     """A repeatable option's values for ``n`` engines: one each (in ``--endpoint`` order), one for
-    all, or none (``default`` for all, or a usage error when ``default`` is ``...``)."""
+    all (with ``one_for_all``), or none (``default`` for all, or a usage error when ``default`` is ``...``)."""
     if len(values) == n:
         return list(values)
-    if len(values) == 1 and flag in ("--model", "--topic"):
+    if len(values) == 1 and one_for_all:
         return list(values) * n
     if not values and default is not ...:
         return [default] * n
@@ -113,10 +113,10 @@ def bridge_vllm_kv(
     if len(set(pods)) != n:
         raise typer.BadParameter("each --endpoint needs its own --pod name (two engines' batches under one "
                                  "name would collide)", param_hint="--pod")
-    models = _per_engine(model, n, "--model", ...)
+    models = _per_engine(model, n, "--model", ..., one_for_all=True)
     replays = _per_engine(replay_endpoint, n, "--replay-endpoint", None)
     ranks = _per_engine(dp_rank, n, "--dp-rank", 0)
-    topics = _per_engine(topic, n, "--topic", "")
+    topics = _per_engine(topic, n, "--topic", "", one_for_all=True)
     settings = _settings(ctx)
     registry = CollectorRegistry()
     health = Health(f"kv-bridge {pods[0]}" + (f" (+{n - 1} engines)" if n > 1 else ""))
