@@ -4,7 +4,7 @@
         [--engines 8] [--time-scale 1] [-p kv-aware -p round-robin ...] [--kv-model fine]
 
 Each strategy (built-in name or strategy YAML) replays the same trace slice through the router's
-own decision code onto simulated vLLM engines (``infernex.whatif``: the engines' scheduler and
+own decision code onto simulated vLLM engines (``simulator.whatif``: the engines' scheduler and
 prefix cache, in virtual time, the router seeing their queues, KV usage and exact cached blocks
 as the engines' KV events would give them). Reported per strategy:
 
@@ -67,7 +67,7 @@ def main() -> None:
                     help="virtual seconds between scrapes of the engines' load (0: exact at every decision)")
     ap.add_argument("-p", "--profile", action="append", default=None)
     args = ap.parse_args()
-    from infernex.whatif import Fleet, simulate
+    from simulator.whatif import Fleet, simulate
     from simulator.workloads import load_trace
 
     profiles = args.profile or ["round-robin", "least-load", "dynamo-cost", "kv-aware"]

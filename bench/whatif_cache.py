@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import infernex.whatif as whatif
+import simulator.whatif as whatif
 from simulator.engine_core import EngineCore
 from simulator.workloads import load_trace
 

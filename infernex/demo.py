@@ -219,12 +219,12 @@ def pd_arrival_stretch(cfg: "DemoConfig") -> float:
 
 def virtual_comparison(rows, cfg: "DemoConfig") -> list:
     """The same rows and strategies through the router's real strategy code over the simulator's
-    engine model in virtual time (:mod:`infernex.whatif`): deterministic, whatever the machine. The
+    engine model in virtual time (:mod:`simulator.whatif`): deterministic, whatever the machine. The
     router reads the engines' load as the live run's metrics scrape gives it, not exact at every
     decision (exact load flattered kv-aware's E2E by a quarter: bench/RESULTS.md, session 10). A PD
     strategy's arrivals are stretched as in the live run (:func:`pd_arrival_stretch`)."""
     from infernex.report import StrategyResult
-    from infernex.whatif import Fleet, simulate
+    from simulator.whatif import Fleet, simulate
 
     fleet = Fleet(aggregated=cfg.engines, pd_groups=1 if cfg.prefill and cfg.decode else 0,
                   prefill_per_group=cfg.prefill, decode_per_group=cfg.decode, hardware=cfg.hardware,

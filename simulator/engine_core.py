@@ -23,7 +23,7 @@ Token-less requests (``prompt_token_ids=None`` with ``num_prompt_tokens``): only
 of generated tokens are not cached, their ``BlockStored`` events carry no token ids, and every
 token they generate is the placeholder ``TOKENLESS_OUTPUT_ID`` (only counts and times matter). The
 what-if simulation uses them with a ``block_size`` of one trace block (512 tokens), so a prompt
-is a few dozen cache units instead of a thousand 16-token blocks (see :mod:`infernex.whatif`).
+is a few dozen cache units instead of a thousand 16-token blocks (see :mod:`simulator.whatif`).
 """
 
 from __future__ import annotations

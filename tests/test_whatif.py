@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infernex.whatif import Fleet, simulate
+from simulator.whatif import Fleet, simulate
 from simulator.workloads import load_trace
 from simulator.workloads.trace import TraceRow
 
@@ -168,3 +168,35 @@ def test_simulate_command_rejects_bad_trace(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infernex.cli", "simulate", "--trace", str(bad)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "line 2" in r.stdout + r.stderr
+
+
+def test_simulate_cli_reports_what_the_whatif_engine_computes(tmp_path):
+    """``infernex simulate`` (the CLI over :mod:`simulator.whatif`): its results.json holds, per
+    strategy, the same figures as calling the what-if directly on the same slice; a trace that is
+    not Mooncake-shaped is a one-line error with exit code 2, not a traceback."""
+    from typer.testing import CliRunner
+
+    from infernex.cli import app
+
+    out = tmp_path / "report"
+    args = ["simulate", "--trace", str(TRACE), "--skip", "40", "--limit", "50", "-p", "round-robin", "-p", "kv-aware",
+            "--max-output-tokens", "16", "--engines", "4", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    got = {x["strategy"]: x for x in json.loads((out / "results.json").read_text())}
+    assert set(got) == {"round-robin", "kv-aware"}
+    rows = load_trace(TRACE, limit=90)[40:]
+    for prof in ("round-robin", "kv-aware"):
+        want = simulate(rows, prof, Fleet(aggregated=4), max_output_tokens=16, metrics_interval_s=5.0).summary()
+        s = got[prof]["summary"]
+        assert s["ok"] == want.ok == 50
+        assert s["backends"] == dict(want.backends)
+        assert s["cached_tokens"] == want.cached_tokens
+        assert s["ttft_p90_s"] == pytest.approx(want.ttft_p90_s)
+    assert got["kv-aware"]["summary"]["cached_tokens"] > got["round-robin"]["summary"]["cached_tokens"]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"not": "a trace row"}\n')
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2
+    assert "Traceback" not in r.output and r.output.strip()

@@ -42,7 +42,7 @@ def simulate(
 ) -> None:
     """Run the router's strategies over simulated engines in virtual time and compare them."""
     from infernex.report import StrategyResult, rich_table, write_report
-    from infernex.whatif import Fleet, simulate as run
+    from simulator.whatif import Fleet, simulate as run
     from simulator.workloads import TraceFormatError, load_trace
 
     if kv_model not in ("coarse", "fine"):
@@ -78,7 +78,7 @@ def simulate(
                          notes=["virtual time; the KV view is exact and without event lag",
                                 (f"engines' load scraped every {metrics_interval:g} virtual s" if metrics_interval
                                  else "engines' load exact at every decision"),
-                                f"KV model: {kv_model} (see infernex/whatif.py)",
+                                f"KV model: {kv_model} (see simulator/whatif.py)",
                                 "KV cache per engine: " + ", ".join(f"{c:,} tokens" for c in caps)])
     console.print(f"report: {paths['html']}")
 
