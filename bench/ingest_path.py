@@ -519,6 +519,7 @@ async def one_run(encoding: str, args) -> dict:
         return await dynamo_run(args)
     encoding, _, ref = encoding.partition("@")  # "binary@REF": that git ref's bridges and indexer
     encoding, _, layout = encoding.partition(":")  # "binary:per-pod": this run's bridge layout
+    encoding, _, gmax = encoding.partition("/g")  # "binary/g128": this run's --group-max
     layout = layout or args.bridges
     tree = args.trees[ref] if ref else ROOT
 
@@ -547,7 +548,7 @@ async def one_run(encoding: str, args) -> dict:
                 [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv",
                  *[a for i in pods_ for a in ("--endpoint", f"tcp://127.0.0.1:{ports[i]}", "--pod", f"pod-{i}")],
                  "--model", MODEL, "--encoding", "json" if encoding == "json" else "binary",
-                 "--group-max", "1" if encoding in ("json", "binary1") else str(args.group_max),
+                 "--group-max", "1" if encoding in ("json", "binary1") else (gmax or str(args.group_max)),
                  *(["--group-wait", str(args.group_wait)] if args.group_wait is not None else []),
                  "--metrics-port", str(mports[g])],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
@@ -683,11 +684,12 @@ def main() -> None:
     ap.add_argument("--profile", help="a folder: py-spy profiles of the bridges and the indexer in the flat-out window")
     ap.add_argument("--encodings", default="json,binary1,binary",
                     help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
-    ap.add_argument("--group-max", type=int, default=64, help="the bridges' --group-max for 'binary'")
+    ap.add_argument("--group-max", type=int, default=128, help="the bridges' --group-max for 'binary' (their default)")
     ap.add_argument("--bridges", choices=["one", "per-pod"], default="one",
                     help="one bridge process for every pod (the default since session 30; Dynamo's indexer is "
                          "one process too) or one process per pod (before); an encoding given as ENC:one or "
-                         "ENC:per-pod runs with that layout, e.g. --encodings binary:per-pod,binary")
+                         "ENC:per-pod runs with that layout, e.g. --encodings binary:per-pod,binary; binary/gN runs with "
+                         "--group-max N, e.g. --encodings binary,binary/g128")
     ap.add_argument("--group-wait", type=float, default=None, help="the bridges' --group-wait (default: theirs)")
     ap.add_argument("--before-ref", default=None,
                     help="also run each encoding with the bridges and the indexer of this git ref (extracted with "

@@ -248,7 +248,7 @@ class BridgeConfig:
     encoding: str = "binary"  # on the bus: "binary" (schemas.kv_binary) or "json" (the schema's JSON)
     # binary: batches that are ready at once (frames already queued on the socket) go out as one
     # group message of at most this many batches / bytes (1 = a message per batch)
-    group_max: int = 64
+    group_max: int = 128  # (64 before session 31: 128 measured 1.05x the blocks/s, bench/RESULTS.md)
     group_max_bytes: int = 96 * 1024  # below glibc's mmap threshold (128 KiB): larger messages fault their pages in on every copy
     # while frames arrive faster than one per group_wait_s, the bridge waits up to this long for more
     # before it publishes a group that is not full: a busy engine's frames go out in fewer, larger

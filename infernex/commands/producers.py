@@ -85,7 +85,7 @@ def bridge_vllm_kv(
     encoding: str = typer.Option("binary", "--encoding",
                                  help="KV batches on the bus: binary (packed arrays, "
                                       "application/vnd.infernex.kv+msgpack) or json (the schema's JSON)"),
-    group_max: int = typer.Option(64, "--group-max", min=1,
+    group_max: int = typer.Option(128, "--group-max", min=1,
                                   help="binary: batches ready at once go out as one group message of at most "
                                        "this many (1 = a message per batch)"),
     group_wait: float = typer.Option(0.002, "--group-wait", min=0, max=1,
