@@ -44,3 +44,20 @@ def test_every_package_has_an_ownership_docstring():
     for pkg in ("schemas", "streams", "consumers", "router", "simulator", "infernex"):
         doc = ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text()))
         assert doc and "May import" in doc, pkg
+
+
+def test_no_layer_below_the_composition_root_imports_it():
+    """infernex/ is the CLI and the launcher: nothing in the layers it composes imports it (imports
+    inside functions count too)."""
+    offenders = {}
+    for pkg in ("schemas", "streams", "consumers", "router", "simulator"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if "infernex" in imported_roots(path):
+                offenders[str(path.relative_to(ROOT))] = "infernex"
+    assert offenders == {}
+
+
+def test_guard_sees_a_lazy_import(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def run():\n    from infernex.demo import main\n    return main\n")
+    assert "infernex" in imported_roots(f)
