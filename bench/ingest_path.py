@@ -548,7 +548,8 @@ async def one_run(encoding: str, args) -> dict:
                 [sys.executable, "-m", "infernex.cli", "bridge", "vllm-kv",
                  *[a for i in pods_ for a in ("--endpoint", f"tcp://127.0.0.1:{ports[i]}", "--pod", f"pod-{i}")],
                  "--model", MODEL, "--encoding", "json" if encoding == "json" else "binary",
-                 "--group-max", "1" if encoding in ("json", "binary1") else (gmax or str(args.group_max)),
+                 *(["--group-max", "1"] if encoding in ("json", "binary1") else
+                   ["--group-max", gmax or str(args.group_max)] if gmax or args.group_max else []),
                  *(["--group-wait", str(args.group_wait)] if args.group_wait is not None else []),
                  "--metrics-port", str(mports[g])],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
@@ -684,7 +685,7 @@ def main() -> None:
     ap.add_argument("--profile", help="a folder: py-spy profiles of the bridges and the indexer in the flat-out window")
     ap.add_argument("--encodings", default="json,binary1,binary",
                     help="json, binary1 (binary, a message per batch), binary (grouped: --group-max)")
-    ap.add_argument("--group-max", type=int, default=128, help="the bridges' --group-max for 'binary' (their default)")
+    ap.add_argument("--group-max", type=int, default=None, help="the bridges' --group-max for 'binary' (default: theirs)")
     ap.add_argument("--bridges", choices=["one", "per-pod"], default="one",
                     help="one bridge process for every pod (the default since session 30; Dynamo's indexer is "
                          "one process too) or one process per pod (before); an encoding given as ENC:one or "

@@ -155,7 +155,7 @@ def main() -> None:
                     help="python of a venv with ai-dynamo-runtime; auto: bench/peers.py's cached venv, created on "
                          "first use; none: leave Dynamo out")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--group-max", type=int, default=128, help="batches per group message (the bridge's default)")
+    ap.add_argument("--group-max", type=int, default=None, help="batches per group message (default: the bridge's)")
     ap.add_argument("--service", action="store_true",
                     help="instead: through JetStream into the indexer service (embedded nats-server)")
     ap.add_argument("--rate", type=float, default=0, help="--service: paced publishing, batches/s (0 = flat out)")
@@ -180,6 +180,9 @@ def main() -> None:
 
     from consumers import index_columns, kv_digests
     from consumers.index_codec import fold_group
+    from consumers.kv_bridge import BridgeConfig
+
+    group_max = args.group_max or BridgeConfig.group_max
 
     index_columns.warm_up()
     kv_digests.warm_up()
@@ -187,7 +190,7 @@ def main() -> None:
     def groups(chunk) -> list[bytes]:
         """The chunk's batches as a bridge publishes them: the stores' token ids turned into block
         digests (the bridge's work, not timed), each pod's consecutive batches in group messages of
-        at most ``--group-max`` batches and 96 KiB (the bridge's defaults)."""
+        at most ``--group-max`` batches and the bridge's byte cap."""
         per: dict[str, list[bytes]] = {}
         for b in chunk:
             w = kv_binary.to_wire(b)
@@ -197,7 +200,7 @@ def main() -> None:
         for parts in per.values():
             cur, size = [], 0
             for data in parts:
-                if cur and (len(cur) >= args.group_max or size + len(data) > 96 * 1024):
+                if cur and (len(cur) >= group_max or size + len(data) > BridgeConfig.group_max_bytes):
                     out.append(kv_binary.group(cur) if len(cur) > 1 else cur[0])
                     cur, size = [], 0
                 cur.append(data)

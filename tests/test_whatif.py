@@ -172,8 +172,8 @@ def test_simulate_command_rejects_bad_trace(tmp_path):
 
 def test_simulate_cli_reports_what_the_whatif_engine_computes(tmp_path):
     """``infernex simulate`` (the CLI over :mod:`simulator.whatif`): its results.json holds, per
-    strategy, the same figures as calling the what-if directly on the same slice; a trace that is
-    not Mooncake-shaped is a one-line error with exit code 2, not a traceback."""
+    strategy, the same figures as calling the what-if directly on the same slice (a bad trace:
+    test_simulate_command_rejects_bad_trace)."""
     from typer.testing import CliRunner
 
     from infernex.cli import app
@@ -194,9 +194,3 @@ def test_simulate_cli_reports_what_the_whatif_engine_computes(tmp_path):
         assert s["cached_tokens"] == want.cached_tokens
         assert s["ttft_p90_s"] == pytest.approx(want.ttft_p90_s)
     assert got["kv-aware"]["summary"]["cached_tokens"] > got["round-robin"]["summary"]["cached_tokens"]
-
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"not": "a trace row"}\n')
-    r = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--out", str(tmp_path / "x")])
-    assert r.exit_code == 2
-    assert "Traceback" not in r.output and r.output.strip()
