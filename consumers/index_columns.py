@@ -234,13 +234,15 @@ def _columns(buf, n, ts_bits, kind, medium, parent, has_parent, hash_end, digest
 
 if AVAILABLE:
     from numba import njit
+    from streams.kv_core import NO_NRT
+
 
     _bin = njit(inline="always", cache=True)(_bin)
     _same = njit(inline="always", cache=True)(_same)
     _le64 = njit(inline="always", cache=True)(_le64)
     _uint = njit(inline="always", cache=True)(_uint)
-    _medium = njit(cache=True)(_medium)
-    _kernel = njit(cache=True)(_columns)
+    _medium = njit(cache=True, **NO_NRT)(_medium)
+    _kernel = njit(cache=True, **NO_NRT)(_columns)
 else:
     _kernel = None
 

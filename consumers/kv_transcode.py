@@ -267,11 +267,12 @@ def _tokens(buf, pos, n, out, p):  # pragma: no cover - compiled
     return m, pos, p
 
 
-def _event(buf, pos, n, out, p, groups, digests):  # pragma: no cover - compiled
+def _event(buf, pos, n, out, p, groups, digests, dg):  # pragma: no cover - compiled
     """One map event at ``pos`` written as its wire struct at ``out[p]``. ``(status, next input,
     next output, stored blocks, removed blocks)``; ``groups[0]`` / ``groups[1]``: bit masks of the
     KV-cache groups known to be full / partial (a store naming its group's kind updates them);
-    ``digests``: a store carries its blocks' digests in place of its token ids."""
+    ``digests``: a store carries its blocks' digests in place of its token ids, computed into the
+    scratch ``dg`` (room for one per byte of the frame)."""
     c = np.int64(buf[pos])
     if 0x80 <= c <= 0x8F:
         nk = c - 0x80
@@ -414,7 +415,6 @@ def _event(buf, pos, n, out, p, groups, digests):  # pragma: no cover - compiled
         if digests:  # the ids (written at q_h) give way to an empty bin; their digests go last
             b = np.int64(bs)
             toks = out[q_t - 4 * nt:q_t].view(np.uint32)
-            dg = np.empty(nh, dtype=np.uint64)
             for i in range(nh):
                 dg[i] = _block_digest(toks, i * b, b)
             out[q_h] = 0xC4
@@ -471,7 +471,8 @@ def _event(buf, pos, n, out, p, groups, digests):  # pragma: no cover - compiled
     return STOP, pos, p, 0, 0
 
 
-def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_end, counts, digests):  # pragma: no cover
+def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_end, counts, digests,  # pragma: no cover
+            dg):
     """Transcode frames ``buf[starts[i]:ends[i]]`` in order into ``out`` (frame ``i``'s batch ends at
     ``out_end[i]``; its stored / removed blocks in ``counts[i]``) until one the kernel does not take.
     Returns how many were transcoded."""
@@ -510,7 +511,7 @@ def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_e
             if pos >= n:
                 ok = False
                 break
-            st, pos, e, s_n, r_n = _event(buf, pos, n, out, e, groups, digests)
+            st, pos, e, s_n, r_n = _event(buf, pos, n, out, e, groups, digests, dg)
             if st != OK:
                 ok = False
                 break
@@ -554,20 +555,22 @@ def _frames(buf, starts, ends, seqs, head, dp_default, epoch, groups, out, out_e
 
 
 if AVAILABLE:
+    from streams.kv_core import NO_NRT
+
     from streams.kv_core import _digest as _block_digest  # (the index's own block digest; numba)
 
     _word = njit(inline="always", cache=True)(_word)
-    _skip = njit(cache=True)(_skip)
+    _skip = njit(cache=True, **NO_NRT)(_skip)
     _str = njit(inline="always", cache=True)(_str)
     _w_be = njit(inline="always", cache=True)(_w_be)
     _w_uint = njit(inline="always", cache=True)(_w_uint)
-    _w_int = njit(cache=True)(_w_int)
+    _w_int = njit(cache=True, **NO_NRT)(_w_int)
     _w_bin = njit(inline="always", cache=True)(_w_bin)
-    _w_medium = njit(cache=True)(_w_medium)
-    _hashes = njit(cache=True)(_hashes)
-    _tokens = njit(cache=True)(_tokens)
-    _event = njit(cache=True)(_event)
-    transcode_frames = njit(cache=True)(_frames)
+    _w_medium = njit(cache=True, **NO_NRT)(_w_medium)
+    _hashes = njit(cache=True, **NO_NRT)(_hashes)
+    _tokens = njit(cache=True, **NO_NRT)(_tokens)
+    _event = njit(cache=True, **NO_NRT)(_event)
+    transcode_frames = njit(cache=True, **NO_NRT)(_frames)
 else:
     transcode_frames = None
 
@@ -584,6 +587,7 @@ class Transcoder:
         self.digests = digests  # stores carry block digests (streams.kv_core) in place of token ids
         self._masks = np.zeros(2, dtype=np.uint64)
         self._out = np.empty(1 << 16, dtype=np.uint8)
+        self._dg = np.empty(1 << 12, dtype=np.uint64)  # the kernel's scratch: one store's block digests
 
     def _sync_in(self) -> bool:
         full = partial = 0
@@ -626,8 +630,11 @@ class Transcoder:
         seqs = np.arange(first_seq, first_seq + k, dtype=np.int64)
         out_end = np.zeros(k, dtype=np.int64)
         counts = np.zeros((k, 2), dtype=np.int64)
+        longest = int(lens.max()) + 1  # (a block's hash takes a byte at least: no frame has more blocks)
+        if longest > len(self._dg):
+            self._dg = np.empty(max(longest, 2 * len(self._dg)), dtype=np.uint64)
         done = transcode_frames(buf, starts, ends, seqs, self.head, self.dp_rank, epoch, self._masks, self._out,
-                                out_end, counts, self.digests)
+                                out_end, counts, self.digests, self._dg)
         if self._masks[0]:
             self._sync_out()
         out, ends_out, n = self._out, out_end[:done].tolist(), counts[:done].tolist()

@@ -147,11 +147,13 @@ def _parse(buf, n, kinds, out64, out32, counts):  # pragma: no cover - compiled 
 
 
 if AVAILABLE:
+    from streams.kv_core import NO_NRT
+
     _be = njit(inline="always", cache=True)(_be)
     _int = njit(inline="always", cache=True)(_int)
     _array = njit(inline="always", cache=True)(_array)
     _digest = njit(inline="always", cache=True)(_digest)
-    parse_arrays = njit(cache=True)(_parse)
+    parse_arrays = njit(cache=True, **NO_NRT)(_parse)
 else:
     parse_arrays = None
 

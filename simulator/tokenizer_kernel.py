@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from streams.kv_core import NO_NRT
+
 U64 = np.uint64
 _P1 = U64(11400714785074694791)
 _P2 = U64(14029467366897019727)
@@ -133,7 +135,7 @@ def encode_ascii(b, syl, nsyl, reserved, vocab_size, out):
     return encode_ascii_marks(b, 0, syl, nsyl, reserved, vocab_size, out, none, none)
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def encode_ascii_marks(b, start, syl, nsyl, reserved, vocab_size, out, cuts, marks):
     """:func:`encode_ascii` of ``b[start:]``, also counting, for each offset in ``cuts`` (ascending,
     each at a whitespace byte, so no token spans it), the ids produced before it into ``marks``."""

@@ -38,9 +38,15 @@ from llvmlite import binding as _llvm
 from llvmlite import ir as _ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core.cpu import CPUTargetOptions
 from numba.extending import intrinsic
 
 U64 = np.uint64
+#: numba options for a kernel that allocates no array (its callers pass every buffer in): no reference
+#: counting. With it, numba wraps each inlined helper in atomic increments and decrements of every
+#: array's count, which took 31% of the fold's samples (py-spy; bench/RESULTS.md, session 32). Empty
+#: on a numba without the option (the kernels then count references as before).
+NO_NRT = {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
 LOAD = 0.6  # grow a table before it would pass this load factor
 TIER_BITS = 3  # holder = slot << 3 | tier (a model has at most 5 tiers)
 
@@ -202,7 +208,7 @@ def _kt_find_or_insert(kt, sz, key):
         i = (i + 1) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def _kt_delete(kt, sz, i):
     mask = kt.shape[0] - 1
     cols = kt.shape[1]
@@ -267,7 +273,7 @@ def _p_insert(t, sz, which, a, b, v):
     sz[which] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def _p_delete(t, sz, which, i):
     mask = t.shape[0] - 1
     j = i
@@ -315,7 +321,7 @@ def table(rows: int, cols: int) -> np.ndarray:
     return np.zeros((rows, cols), dtype=np.uint64)
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def _rehash_kt(kt, out):
     for r in range(kt.shape[0]):
         if kt[r, 0] != U64(0):
@@ -331,7 +337,7 @@ def grow_kt(kt, new_cap, out=None):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def _rehash_pairs(t, out):
     for r in range(t.shape[0]):
         if t[r, 1] != U64(0):
@@ -411,9 +417,9 @@ def _drop_copy(ex, sz, a, b):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, start, stats, stored_keys, stored_slots,
-              n_stored):
+              n_stored, keys):
     """Apply operations ``start..`` in order. Returns ``(next op, need flags)``; need is 0 when
     every operation was applied, else the tables to grow before calling again from ``next``.
 
@@ -434,12 +440,6 @@ def apply_ops(kt, em, ex, sz, cnt, W, meta, parents, salts, hashes, tokens, star
     em_mask = em.shape[0] - 1
     kt_mask = kt.shape[0] - 1
     m = meta.shape[0]
-    longest = 0
-    prev = meta[start - 1, 4] if start > 0 else 0
-    for o in range(start, m):
-        longest = max(longest, meta[o, 4] - prev)
-        prev = meta[o, 4]
-    keys = np.empty(longest, dtype=np.uint64)
     sink = U64(0)
     note = stored_keys.shape[0] > 0
     for o in range(start, m):
@@ -553,7 +553,7 @@ def tokens_key(tokens, t0, i):
 # ----------------------------------------------------------------------------- clearing
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def _pairs_without(t, out, slot, tier):
     """The pair table rebuilt into ``out`` (zeroed, same shape) without the rows of ``slot`` in
     ``tier`` (every tier if < 0); returns how many rows it keeps."""
@@ -578,7 +578,7 @@ def clear_holder(kt, em, ex, sz, cnt, W, slot, tier):
     return kt2, em2, ex2, dropped
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def _clear_holder_into(kt, em, ex, kt2, em2, ex2, sz, cnt, W, slot, tier):
     T = (kt.shape[1] - 1) // W
     n_em = _pairs_without(em, em2, slot, tier)
@@ -622,7 +622,7 @@ def _clear_holder_into(kt, em, ex, kt2, em2, ex2, sz, cnt, W, slot, tier):
 # moves the expiry later. The caller grows the tables before a record could pass LOAD.
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def pred_record(pk, pe, pef, psz, slot, keys, exp):
     """Predict that pod ``slot`` holds ``keys`` until ``exp`` (a zero key, the tables' empty
     mark, is skipped)."""
@@ -647,7 +647,7 @@ def pred_record(pk, pe, pef, psz, slot, keys, exp):
             pef[i, 2] = exp
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def pred_expire(pk, pe, pef, psz, W, slot, keys, now, force):
     """Drop pod ``slot``'s predictions of ``keys`` that expired by ``now`` (all of them with
     ``force``); returns how many were dropped."""
@@ -685,7 +685,7 @@ def _pred_drop(pk, pe, psz, W, word, nb, k, i):
     _kt_delete(pk, psz, r)
 
 
-@njit(cache=True)
+@njit(cache=True, **NO_NRT)
 def pred_confirm(pk, pe, psz, W, keys, slots, n):
     """The pods' events say they store these blocks (``keys[j]`` on ``slots[j]``, the first
     ``n``): their predictions, now redundant, are dropped, so the tables hold only what the

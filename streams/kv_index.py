@@ -583,10 +583,11 @@ class KvIndex:
         stored_keys = np.empty(n_hashes, dtype=np.uint64) if predicting else _NO_U64
         stored_slots = np.empty(n_hashes, dtype=np.int64) if predicting else _NO_I64
         n_stored = np.zeros(1, dtype=np.int64)
+        keys = np.empty(max(n_hashes, 1), dtype=np.uint64)  # (the kernel's scratch: an operation's block keys)
         start = 0
         while True:
             start, need = core.apply_ops(m.kt, m.em, m.ex, m.sz, m.cnt, m.W, meta, parents, salts, hashes, tokens, start,
-                                         stats, stored_keys, stored_slots, n_stored)
+                                         stats, stored_keys, stored_slots, n_stored, keys)
             if not need:
                 if n_stored[0]:
                     core.pred_confirm(m.pk, m.pe, m.psz, m.W, stored_keys, stored_slots, int(n_stored[0]))
