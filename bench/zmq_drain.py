@@ -16,7 +16,13 @@ CPU time per frame:
   ``zmq_msg_recv`` / ``zmq_msg_more`` (the copy pyzmq loaded, found in ``/proc/self/maps``), every
   part's bytes into one buffer with its end offset and every message's part count, so a message
   of any shape stays whole; then one ``bytes`` copy of the buffer. A candidate for the bridge,
-  not used by it yet (bench/RESULTS.md, session 31).
+  not used by it (bench/RESULTS.md, session 31).
+
+Here the frames are all queued before they are read. In the live bridge they are not: session 32
+wired a drain like this one into ``KvBridge.run`` (the transcoder reading its buffer in place) and
+the flat-out ingest bench did not move (bridges 0.44 against 0.43 us of CPU a block, the drain
+still 31% of the bridge's samples): reading while libzmq's I/O thread is still writing costs what
+it costs either way. So it stays out.
 """
 
 from __future__ import annotations
