@@ -733,17 +733,20 @@ def _ctz(low):
     return b
 
 
-@njit(cache=True)
-def query(kt, W, keys, allowed, pk, torder, matched, tiers):
+@njit(cache=True, **NO_NRT)
+def query(kt, W, keys, allowed, pk, torder, matched, tiers, scratch):
     """Walk ``keys`` while some allowed pod holds every block so far (exact in any tier, or
     predicted in the prediction key table ``pk``, which may have no rows). ``matched[slot]`` gets the pod's matched
     prefix length. With ``tiers`` of shape (slots, T + 1) (multi-tier or predictions), each
     matched block is also counted under the best category that holds it for that pod:
-    tiers in ``torder``, then predicted (column T). Returns the length walked."""
+    tiers in ``torder``, then predicted (column T). ``scratch``: room for ``2 * W`` words. Returns
+    the length walked."""
     T = (kt.shape[1] - 1) // W
     n = keys.shape[0]
-    run = allowed.copy()
-    new = np.empty(W, dtype=np.uint64)
+    run = scratch[:W]
+    new = scratch[W:2 * W]
+    for w in range(W):
+        run[w] = allowed[w]
     use_pred = pk.shape[0] > 0
     detail = tiers.shape[0] > 0
     # the home rows of the next PREFETCH_AHEAD keys are requested ahead of the walk, so their
@@ -813,7 +816,7 @@ def query_tokens(kt, W, tokens, bs, n, seed, allowed, torder, matched, tiers):
     """:func:`query` over the chained keys of ``tokens``, hashed as the walk goes (no pred)."""
     keys = chain_keys(tokens, bs, n, seed)
     pk = np.zeros((0, 1 + W), dtype=np.uint64)
-    return query(kt, W, keys, allowed, pk, torder, matched, tiers)
+    return query(kt, W, keys, allowed, pk, torder, matched, tiers, np.empty(2 * W, dtype=np.uint64))
 
 
 @njit(cache=True)

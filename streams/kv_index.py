@@ -1324,7 +1324,7 @@ class KvIndex:
         detail = predicting or (by_tier and m.multi)
         tiers = np.zeros((64 * W, m.T + 1), dtype=np.int64) if detail else _NO_TIERS
         walked = core.query(m.kt, W, karr, self._allowed_words(pods, W), m.pk if predicting else _NO_PRED[W],
-                            m.torder, matched, tiers)
+                            m.torder, matched, tiers, np.empty(2 * W, dtype=np.uint64))
         return m, walked, matched, tiers
 
     def _results(self, m: _Model, walked: int, matched: np.ndarray, tiers: np.ndarray,
